@@ -1,0 +1,45 @@
+// Per-operator facts the recorder needs on every call, computed once per overload from its schema and dispatch
+// table and cached: whether the op is seen by autograd (or decomposes into ops that are), which arguments it writes,
+// whether it draws random numbers. Thread-safe; entries live for the process.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "tapesac/capture/tape.h"
+
+namespace tapesac::capture {
+
+struct OpInfo {
+  c10::OperatorHandle handle;
+  OpKind kind = -1;
+  /// Has a CompositeImplicitAutograd kernel that autograd runs for dense CPU / CUDA tensors: the op itself never
+  /// reaches below autograd, its children are recorded instead.
+  bool decomposes_cpu = false;
+  bool decomposes_cuda = false;
+  /// Has an autocast kernel: when autocast is on for the device, the inner (cast) call is recorded instead.
+  bool autocast_cpu = false;
+  bool autocast_cuda = false;
+  /// Schema tag nondeterministic_seeded.
+  bool random = false;
+  /// Schema tag nondeterministic_bitwise.
+  bool nondeterministic_bitwise = false;
+  /// Collectives and other ops whose effects must not happen twice.
+  bool effectful = false;
+  /// Per argument: alias annotation with a write (Tensor(a!)).
+  std::vector<bool> writes_arg;
+  /// Argument positions (or -1): dropout probability, train flag, explicit generator.
+  int p_arg = -1;
+  int train_arg = -1;
+  int generator_arg = -1;
+
+  explicit OpInfo(c10::OperatorHandle h) : handle(std::move(h)) {}
+};
+
+/// The cached facts for an operator, by name ("aten::add", overload "Tensor"). Returns nullptr when no such
+/// operator is registered.
+const OpInfo* op_info(const c10::OperatorName& name);
+
+}  // namespace tapesac::capture

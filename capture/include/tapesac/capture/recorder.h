@@ -1,0 +1,140 @@
+// The recorder: while active on a thread, every operator that thread runs *at the level autograd sees it*
+// (CompositeImplicitAutograd ops decomposed, ops nested inside kernels skipped) is appended to a Tape, with its
+// boxed arguments, alias and mutation effects, the generator state of random ops and its measured duration. It
+// runs in C++ through a thread-local at::RecordFunction callback; no Python runs per op.
+//
+// Identity without keeping memory alive: the recorder maps TensorImpl and StorageImpl addresses to tape ids and
+// holds *weak* references to both, so an address cannot be reused while the block records, yet a freed tensor's
+// memory is really released. Strong references are taken only for external values (needed as replay inputs).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "tapesac/capture/op_info.h"
+#include "tapesac/capture/op_payload.h"
+#include "tapesac/capture/tape.h"
+
+namespace tapesac::capture {
+
+class Recorder;
+
+/// Told after each recorded op has been appended (used to resolve saved tensors that are that op's outputs).
+class RecorderListener {
+ public:
+  virtual ~RecorderListener() = default;
+  virtual void on_op_recorded(Recorder& recorder, OpIndex op) = 0;
+};
+
+struct RecorderOptions {
+  /// Snapshot generator state for random ops (needed for exact replay of dropout and friends).
+  bool record_rng = true;
+  /// Measure each op's wall-clock duration (CPU clock; on CUDA this is launch time only).
+  bool time_ops = true;
+};
+
+/// Records one block call. Create, start() on the thread that runs the block, stop() on the same thread. Only one
+/// recorder can be active per thread. Not thread-safe; the tape is read-only after stop().
+class Recorder {
+ public:
+  explicit Recorder(RecorderOptions options = {});
+  ~Recorder();
+  Recorder(const Recorder&) = delete;
+  Recorder& operator=(const Recorder&) = delete;
+
+  /// Installs the thread-local callback. Throws std::runtime_error when a recorder is already active on this thread.
+  void start();
+  /// Removes the callback and drops identity maps (weak references). Idempotent; never throws.
+  void stop() noexcept;
+  bool active() const { return active_; }
+
+  /// The recorder active on the calling thread, or nullptr.
+  static Recorder* current();
+
+  void set_listener(RecorderListener* listener) { listener_ = listener; }
+
+  const Tape& tape() const { return tape_; }
+  const std::vector<OpPayload>& payloads() const { return payloads_; }
+  /// Live tensors by value id: defined for external values (detached aliases); undefined otherwise.
+  const std::vector<at::Tensor>& live() const { return live_; }
+  /// Releases the strong references held for external values that `keep` does not mark (indexed by ValueId).
+  void release_live_except(const std::vector<uint8_t>& keep);
+  /// Drops every strong reference, payload and tape entry (after the step).
+  void clear() noexcept;
+
+  /// The tape value `t` currently is (its latest version), or -1 when the recorder has not seen it.
+  ValueId find_value(const at::Tensor& t) const;
+  /// True while a recorded op has started and not yet finished on this thread (its outputs are not on the tape).
+  bool op_open() const { return open_recorded_ > 0; }
+  /// Number of ops seen at autograd level by the callback, recorded or not (for tests/benchmarks).
+  int64_t ops_seen() const { return static_cast<int64_t>(tape_.ops().size()); }
+  /// Non-empty when recording failed part-way (the tape is then incomplete and must not be replayed from).
+  const std::string& error() const { return error_; }
+
+ private:
+  struct Frame {
+    const OpInfo* info = nullptr;  // nullptr: not recorded
+    std::vector<ArgRef> inputs;
+    std::vector<c10::IValue> args;
+    std::optional<at::Generator> generator;
+    c10::intrusive_ptr<c10::TensorImpl> generator_state;
+    bool non_replayable = false;
+    bool composite = false;  // statically decomposes; see Note [Composite ops that run themselves]
+    OpIndex tape_size = 0;   // tape length when the op started
+    std::chrono::steady_clock::time_point start;
+  };
+
+  static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);
+  static void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx);
+  void enter(const at::RecordFunction& fn);
+  void exit(const at::RecordFunction& fn);
+  const OpInfo* should_record(const at::RecordFunction& fn);
+
+  StorageId storage_of(const at::Tensor& t, bool create_external);
+  ValueId value_for_input(const at::Tensor& t);
+  ValueId add_external(const at::Tensor& t, StorageId s);
+  void add_input(Frame& f, const at::Tensor& t, int arg, int elem);
+  void capture_rng(Frame& f, const at::RecordFunction& fn);
+
+  RecorderOptions options_;
+  bool active_ = false;
+  at::CallbackHandle callback_ = 0;
+  RecorderListener* listener_ = nullptr;
+
+  Tape tape_;
+  std::vector<OpPayload> payloads_;
+  std::vector<at::Tensor> live_;
+
+  std::unordered_map<const c10::TensorImpl*, ValueId> impl_value_;
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs_;
+  std::unordered_map<const c10::StorageImpl*, StorageId> storage_id_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_refs_;
+  std::vector<std::vector<ValueId>> storage_values_;
+
+  std::vector<Frame> frames_;
+  int open_recorded_ = 0;
+  // Set while the recorder itself runs code that might dispatch (generator state, aliases): never recorded.
+  bool busy_ = false;
+  bool composite_ = false;  // out-parameter of should_record()
+  std::string error_;
+  // Per-thread cache from RecordFunction::name() (stable per schema) to OpInfo.
+  std::unordered_map<const char*, const OpInfo*> info_by_name_;
+};
+
+/// A detached alias of `t` (shares storage and version counter, no autograd metadata) made without dispatching,
+/// so that holding it creates no reference cycle with the autograd graph and records nothing.
+at::Tensor detached_alias(const at::Tensor& t);
+
+/// TensorMeta of `t`.
+TensorMeta meta_of(const at::Tensor& t);
+
+}  // namespace tapesac::capture

@@ -1,0 +1,90 @@
+// Per-operator facts, computed once (see op_info.h).
+#include "tapesac/capture/op_info.h"
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <ATen/core/enum_tag.h>
+
+#include "tapesac/capture/op_kinds.h"
+
+namespace tapesac::capture {
+namespace {
+
+bool has_kernel(const c10::OperatorHandle& h, c10::DispatchKey k) { return h.hasKernelForDispatchKey(k); }
+
+// Mirrors the dispatcher's rule for autograd keys (OperatorEntry::computeDispatchTableEntry): an op runs its
+// CompositeImplicitAutograd kernel at autograd level unless the backend, or a CompositeExplicitAutograd kernel, was
+// registered directly. Some composite ops also carry an Autograd[alias] registration that still decomposes at
+// autograd level (aten::linear in torch 2.14), so that alias is not taken as proof of the opposite; the recorder
+// checks each call instead (Note [Composite ops that run themselves] in recorder.cpp).
+bool decomposes(const c10::OperatorHandle& h, c10::DispatchKey autograd_key, c10::DispatchKey backend) {
+  if (!has_kernel(h, c10::DispatchKey::CompositeImplicitAutograd)) return false;
+  if (has_kernel(h, autograd_key)) return false;
+  if (has_kernel(h, backend) || has_kernel(h, c10::DispatchKey::CompositeExplicitAutograd) ||
+      has_kernel(h, c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+    return false;
+  }
+  return true;
+}
+
+std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
+  auto info = std::make_unique<OpInfo>(h);
+  const c10::FunctionSchema& schema = h.schema();
+  std::string qualified = schema.name();
+  if (!schema.overload_name().empty()) qualified += "." + schema.overload_name();
+  info->kind = intern_op_kind(qualified);
+  info->decomposes_cpu = decomposes(h, c10::DispatchKey::AutogradCPU, c10::DispatchKey::CPU);
+  info->decomposes_cuda = decomposes(h, c10::DispatchKey::AutogradCUDA, c10::DispatchKey::CUDA);
+  info->autocast_cpu = has_kernel(h, c10::DispatchKey::AutocastCPU);
+  info->autocast_cuda = has_kernel(h, c10::DispatchKey::AutocastCUDA);
+  info->random = h.hasTag(at::Tag::nondeterministic_seeded);
+  info->nondeterministic_bitwise = h.hasTag(at::Tag::nondeterministic_bitwise);
+  const std::string& ns_name = schema.name();
+  info->effectful = ns_name.rfind("c10d::", 0) == 0 || ns_name.rfind("_c10d_functional::", 0) == 0 ||
+                    ns_name.rfind("_dtensor::", 0) == 0 || ns_name.rfind("profiler::", 0) == 0;
+  const auto& args = schema.arguments();
+  info->writes_arg.resize(args.size(), false);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    info->writes_arg[i] = alias != nullptr && alias->isWrite();
+    const std::string& n = args[i].name();
+    if (n == "p" || n == "dropout_p") info->p_arg = static_cast<int>(i);
+    if (n == "train") info->train_arg = static_cast<int>(i);
+    if (n == "generator") info->generator_arg = static_cast<int>(i);
+  }
+  // Only dropout-style ops skip drawing when p == 0; bernoulli(p=0) still advances its generator.
+  const bool dropout_like =
+      ns_name.find("dropout") != std::string::npos || ns_name.find("scaled_dot_product") != std::string::npos;
+  if (!dropout_like) info->p_arg = -1;
+  return info;
+}
+
+struct Cache {
+  std::mutex mu;
+  std::unordered_map<c10::OperatorName, std::unique_ptr<OpInfo>> by_name;
+};
+
+Cache& cache() {
+  static Cache* c = new Cache();  // leaked on purpose: entries are used until process exit
+  return *c;
+}
+
+}  // namespace
+
+const OpInfo* op_info(const c10::OperatorName& name) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  auto it = c.by_name.find(name);
+  if (it != c.by_name.end()) return it->second.get();
+  auto handle = c10::Dispatcher::singleton().findOp(name);
+  if (!handle.has_value()) return nullptr;
+  auto info = compute(*handle);
+  const OpInfo* raw = info.get();
+  c.by_name.emplace(name, std::move(info));
+  return raw;
+}
+
+}  // namespace tapesac::capture

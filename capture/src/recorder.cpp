@@ -1,0 +1,452 @@
+// The recorder (see recorder.h). Hot path: enter()/exit() run for every dispatcher call on the recording thread,
+// nested ones included, so the skip decision comes first and costs a TLS read and a pointer-keyed lookup.
+#include "tapesac/capture/recorder.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include <ATen/Context.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "tapesac/capture/op_kinds.h"
+
+namespace tapesac::capture {
+namespace {
+
+thread_local Recorder* t_current = nullptr;
+
+const void* storage_key(const at::Tensor& t) {
+  // Tensors without storage (sparse, nested, some wrappers) get no aliasing information: keyed by their impl.
+  if (!t.has_storage()) return t.unsafeGetTensorImpl();
+  return t.storage().unsafeGetStorageImpl();
+}
+
+bool contains_tensor(const c10::IValue& v) {
+  if (v.isTensor()) return v.toTensor().defined();
+  if (v.isTensorList()) return v.toTensorList().size() > 0;
+  if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) {
+      if (contains_tensor(e)) return true;
+    }
+    return false;
+  }
+  if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) {
+      if (contains_tensor(e)) return true;
+    }
+    return false;
+  }
+  if (v.isGenericDict()) {
+    for (const auto& kv : v.toGenericDict()) {
+      if (contains_tensor(kv.key()) || contains_tensor(kv.value())) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+at::Tensor detached_alias(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto copy = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false);
+  return at::Tensor(std::move(copy));
+}
+
+TensorMeta meta_of(const at::Tensor& t) {
+  TensorMeta m;
+  const auto sizes = t.sizes();
+  m.sizes.assign(sizes.begin(), sizes.end());
+  if (t.layout() == c10::kStrided) {
+    const auto strides = t.strides();
+    m.strides.assign(strides.begin(), strides.end());
+    m.storage_offset = t.storage_offset();
+  }
+  m.dtype = static_cast<int16_t>(t.scalar_type());
+  m.device_type = static_cast<int16_t>(t.device().type());
+  m.device_index = static_cast<int16_t>(t.device().index());
+  m.nbytes = static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+  return m;
+}
+
+Recorder::Recorder(RecorderOptions options) : options_(options) {}
+
+Recorder::~Recorder() { stop(); }
+
+Recorder* Recorder::current() { return t_current; }
+
+void Recorder::start() {
+  if (active_) return;
+  if (t_current != nullptr) {
+    throw std::runtime_error(
+        "tapesac: a recorder is already active on this thread; blocks cannot record inside one another");
+  }
+  callback_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&Recorder::on_enter, &Recorder::on_exit)
+                                             .needsInputs(true)
+                                             .needsOutputs(true)
+                                             .scopes({at::RecordScope::FUNCTION}));
+  t_current = this;
+  active_ = true;
+}
+
+void Recorder::stop() noexcept {
+  if (!active_) return;
+  at::removeCallback(callback_);
+  callback_ = 0;
+  if (t_current == this) t_current = nullptr;
+  active_ = false;
+  frames_.clear();
+  open_recorded_ = 0;
+  // Identity maps are only needed while the block runs; dropping them releases the weak references.
+  impl_value_.clear();
+  impl_refs_.clear();
+  storage_id_.clear();
+  storage_refs_.clear();
+  storage_values_.clear();
+  storage_values_.shrink_to_fit();
+}
+
+void Recorder::clear() noexcept {
+  stop();
+  tape_ = Tape();
+  payloads_.clear();
+  live_.clear();
+}
+
+void Recorder::release_live_except(const std::vector<uint8_t>& keep) {
+  for (size_t v = 0; v < live_.size(); ++v) {
+    if (live_[v].defined() && (v >= keep.size() || !keep[v])) live_[v].reset();
+  }
+}
+
+std::unique_ptr<at::ObserverContext> Recorder::on_enter(const at::RecordFunction& fn) {
+  Recorder* r = t_current;
+  if (r != nullptr) r->enter(fn);
+  return nullptr;
+}
+
+void Recorder::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
+  Recorder* r = t_current;
+  if (r != nullptr) r->exit(fn);
+}
+
+const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
+  if (busy_) return nullptr;
+  // An op called from inside another op's kernel runs with the autograd keys excluded: autograd does not see it.
+  const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
+  if (tls.excluded_.has_any(c10::autograd_dispatch_keyset)) return nullptr;
+  const char* name = fn.name();
+  const OpInfo* info = nullptr;
+  auto it = info_by_name_.find(name);
+  if (it != info_by_name_.end()) {
+    info = it->second;
+  } else {
+    auto op_name = fn.operator_name();
+    info = op_name.has_value() ? op_info(*op_name) : nullptr;
+    info_by_name_.emplace(name, info);
+  }
+  if (info == nullptr) return nullptr;
+  bool cuda = false;
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      cuda = v.toTensor().defined() && v.toTensor().is_cuda();
+      break;
+    }
+  }
+  composite_ = cuda ? info->decomposes_cuda : info->decomposes_cpu;
+  // With autocast on, the autocast kernel casts and calls the op again; that inner call is the one autograd sees.
+  if (cuda ? (info->autocast_cuda && !tls.excluded_.has(c10::DispatchKey::AutocastCUDA))
+           : (info->autocast_cpu && !tls.excluded_.has(c10::DispatchKey::AutocastCPU))) {
+    return nullptr;
+  }
+  return info;
+}
+
+StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
+  const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
+  auto it = storage_id_.find(key);
+  if (it != storage_id_.end()) return it->second;
+  if (!create_external) return -1;
+  const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+  const StorageId s = tape_.add_storage(/*external=*/true, nbytes);
+  storage_id_.emplace(key, s);
+  if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
+  storage_values_.emplace_back();
+  return s;
+}
+
+ValueId Recorder::find_value(const at::Tensor& t) const {
+  if (!t.defined()) return -1;
+  auto it = impl_value_.find(t.unsafeGetTensorImpl());
+  if (it != impl_value_.end()) return it->second;
+  auto sit = storage_id_.find(static_cast<const c10::StorageImpl*>(storage_key(t)));
+  if (sit == storage_id_.end()) return -1;
+  const TensorMeta m = meta_of(t);
+  const auto& candidates = storage_values_[static_cast<size_t>(sit->second)];
+  for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
+    if (tape_.value(*c).meta.same_view(m)) return *c;
+  }
+  return -1;
+}
+
+ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
+  const ValueId v = tape_.add_external_value(s, meta_of(t));
+  if (live_.size() <= static_cast<size_t>(v)) live_.resize(static_cast<size_t>(v) + 1);
+  live_[static_cast<size_t>(v)] = detached_alias(t);
+  if (impl_value_.emplace(t.unsafeGetTensorImpl(), v).second) {
+    impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+  }
+  storage_values_[static_cast<size_t>(s)].push_back(v);
+  return v;
+}
+
+ValueId Recorder::value_for_input(const at::Tensor& t) {
+  const ValueId v = find_value(t);
+  if (v >= 0) return v;
+  // Not produced on this tape (block input, parameter, buffer, captured tensor), or a view of a tape storage made
+  // where the recorder cannot see: held live, never replayed.
+  return add_external(t, storage_of(t, /*create_external=*/true));
+}
+
+void Recorder::add_input(Frame& f, const at::Tensor& t, int arg, int elem) {
+  const ValueId v = value_for_input(t);
+  ArgRef a;
+  a.arg = static_cast<int16_t>(arg);
+  a.elem = static_cast<int16_t>(elem);
+  a.value = v;
+  a.state = tape_.state_of(tape_.value(v).storage);
+  f.inputs.push_back(a);
+}
+
+void Recorder::capture_rng(Frame& f, const at::RecordFunction& fn) {
+  const OpInfo& info = *f.info;
+  const auto inputs = fn.inputs();
+  auto arg = [&](int i) -> const c10::IValue* {
+    return (i >= 0 && static_cast<size_t>(i) < inputs.size()) ? &inputs[static_cast<size_t>(i)] : nullptr;
+  };
+  if (const c10::IValue* p = arg(info.p_arg); p != nullptr && p->isDouble() && p->toDouble() == 0.0) return;
+  if (const c10::IValue* tr = arg(info.train_arg); tr != nullptr && tr->isBool() && !tr->toBool()) return;
+  std::optional<at::Generator> gen;
+  if (const c10::IValue* g = arg(info.generator_arg); g != nullptr && g->isGenerator()) gen = g->toGenerator();
+  if (!gen.has_value()) {
+    c10::Device device(c10::kCPU);
+    bool found = false;
+    for (const c10::IValue& v : inputs) {
+      if (v.isTensor() && v.toTensor().defined()) {
+        device = v.toTensor().device();
+        found = true;
+        break;
+      }
+    }
+    if (!found) {
+      for (const c10::IValue& v : inputs) {
+        if (v.isDevice()) {
+          device = v.toDevice();
+          break;
+        }
+      }
+    }
+    if (device.is_cpu() || device.is_cuda()) {
+      gen = at::globalContext().defaultGenerator(device);
+    }
+  }
+  if (!gen.has_value() || !gen->defined()) {
+    f.non_replayable = true;  // a random op whose generator we cannot restore must not be replayed
+    return;
+  }
+  std::lock_guard<std::mutex> lock(gen->mutex());
+  f.generator_state = gen->unsafeGetGeneratorImpl()->get_state();
+  f.generator = std::move(gen);
+}
+
+void Recorder::enter(const at::RecordFunction& fn) {
+  frames_.emplace_back();
+  Frame& f = frames_.back();
+  if (!error_.empty()) return;
+  try {
+    composite_ = false;
+    f.info = should_record(fn);
+    if (f.info == nullptr) return;
+    f.composite = composite_;
+    f.tape_size = tape_.next_op_index();
+    busy_ = true;
+    const auto inputs = fn.inputs();
+    f.args.reserve(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const c10::IValue& v = inputs[i];
+      const int arg = static_cast<int>(i);
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (t.defined()) {
+          add_input(f, t, arg, -1);
+          f.args.emplace_back();
+        } else {
+          f.args.push_back(v);
+        }
+      } else if (v.isTensorList()) {
+        const auto list = v.toTensorList();
+        for (size_t j = 0; j < list.size(); ++j) add_input(f, list.get(j), arg, static_cast<int>(j));
+        f.args.emplace_back(c10::List<at::Tensor>());
+      } else if (v.isList() && contains_tensor(v)) {
+        const auto list = v.toList();
+        c10::impl::GenericList copy(list.elementType());
+        copy.reserve(list.size());
+        for (size_t j = 0; j < list.size(); ++j) {
+          const c10::IValue e = list.get(j);
+          if (e.isTensor() && e.toTensor().defined()) {
+            add_input(f, e.toTensor(), arg, static_cast<int>(j));
+            copy.push_back(c10::IValue());
+          } else if (contains_tensor(e)) {
+            f.non_replayable = true;
+            copy.push_back(c10::IValue());
+          } else {
+            copy.push_back(e);
+          }
+        }
+        f.args.emplace_back(std::move(copy));
+      } else if (contains_tensor(v)) {
+        f.non_replayable = true;  // tensors inside tuples or dicts: not tracked, so not replayable
+        f.args.emplace_back();
+      } else {
+        f.args.push_back(v);
+      }
+    }
+    // A composite op's random children snapshot their own generator state; in the rare case the composite runs
+    // itself, it is recorded without one and therefore never replayed.
+    if (f.info->random && options_.record_rng) {
+      if (f.composite) {
+        f.non_replayable = true;
+      } else {
+        capture_rng(f, fn);
+      }
+    }
+    ++open_recorded_;
+    busy_ = false;
+    if (options_.time_ops) f.start = std::chrono::steady_clock::now();
+  } catch (const std::exception& e) {
+    busy_ = false;
+    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    f.info = nullptr;
+  }
+}
+
+void Recorder::exit(const at::RecordFunction& fn) {
+  if (frames_.empty()) return;
+  Frame f = std::move(frames_.back());
+  frames_.pop_back();
+  if (f.info == nullptr) return;
+  --open_recorded_;
+  const auto end = options_.time_ops ? std::chrono::steady_clock::now() : f.start;
+  if (!error_.empty()) return;
+  // Note [Composite ops that run themselves]. A CompositeImplicitAutograd op normally decomposes: its children
+  // run at autograd level and are recorded, and the op itself is not. When none of its children was recorded and
+  // it returned a tensor that is not one of its inputs, it ran below autograd itself (another kernel won the
+  // dispatch): record it as an ordinary op.
+  if (f.composite) {
+    if (tape_.next_op_index() != f.tape_size) return;
+    bool fresh_output = false;
+    for (const c10::IValue& o : fn.outputs()) {
+      if (!o.isTensor() || !o.toTensor().defined()) {
+        fresh_output = fresh_output || contains_tensor(o);
+        continue;
+      }
+      const c10::TensorImpl* impl = o.toTensor().unsafeGetTensorImpl();
+      auto it = impl_value_.find(impl);
+      if (it == impl_value_.end() || tape_.value(it->second).producer >= f.tape_size) fresh_output = true;
+    }
+    if (!fresh_output) return;
+  }
+  busy_ = true;
+  try {
+    const OpInfo& info = *f.info;
+    OpRecord rec;
+    rec.kind = info.kind;
+    rec.duration_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - f.start).count();
+    rec.inputs = std::move(f.inputs);
+    bool writes_external = false;
+    for (const ArgRef& a : rec.inputs) {
+      if (static_cast<size_t>(a.arg) < info.writes_arg.size() && info.writes_arg[static_cast<size_t>(a.arg)]) {
+        const StorageId s = tape_.value(a.value).storage;
+        if (std::find(rec.writes.begin(), rec.writes.end(), s) == rec.writes.end()) rec.writes.push_back(s);
+        writes_external = writes_external || tape_.storage(s).external;
+      }
+    }
+    const size_t input_writes = rec.writes.size();
+    std::vector<StorageId> out_storages;
+    bool any_new_storage = false;
+    bool cuda = false;
+    auto add_output = [&](const at::Tensor& t) {
+      if (!t.defined()) {
+        rec.outputs.push_back(-1);
+        return;
+      }
+      cuda = cuda || t.is_cuda();
+      const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
+      StorageId s;
+      int32_t state;
+      auto it = storage_id_.find(key);
+      if (it == storage_id_.end()) {
+        const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+        s = tape_.add_storage(/*external=*/false, nbytes);
+        storage_id_.emplace(key, s);
+        if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
+        storage_values_.emplace_back();
+        rec.writes.push_back(s);
+        any_new_storage = true;
+        state = 1;
+      } else {
+        s = it->second;
+        const bool written = std::find(rec.writes.begin(), rec.writes.end(), s) != rec.writes.end();
+        state = tape_.state_of(s) + (written ? 1 : 0);
+      }
+      const ValueId v = tape_.add_output_value(s, state, meta_of(t));
+      auto [pos, inserted] = impl_value_.insert_or_assign(t.unsafeGetTensorImpl(), v);
+      (void)pos;
+      if (inserted) impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+      storage_values_[static_cast<size_t>(s)].push_back(v);
+      rec.outputs.push_back(v);
+      out_storages.push_back(s);
+    };
+    for (const c10::IValue& o : fn.outputs()) {
+      if (o.isTensor()) {
+        add_output(o.toTensor());
+      } else if (o.isTensorList()) {
+        for (const at::Tensor& t : o.toTensorList().vec()) add_output(t);
+      } else if (o.isList()) {
+        for (const c10::IValue& e : o.toListRef()) {
+          if (e.isTensor()) add_output(e.toTensor());
+          else if (e.isNone()) rec.outputs.push_back(-1);
+        }
+      } else if (contains_tensor(o)) {
+        f.non_replayable = true;
+      }
+    }
+    if (input_writes == 0 && !any_new_storage && !out_storages.empty()) {
+      rec.flags |= kView;
+      for (ArgRef& a : rec.inputs) {
+        const StorageId s = tape_.value(a.value).storage;
+        a.meta_only = std::find(out_storages.begin(), out_storages.end(), s) != out_storages.end();
+      }
+    }
+    if (writes_external) rec.flags |= kWritesExternal;
+    if (f.non_replayable || info.effectful) rec.flags |= kNonReplayable;
+    if (f.generator.has_value()) rec.flags |= kRandom;
+    if (info.nondeterministic_bitwise && cuda) rec.flags |= kNondeterministic | kNonReplayable;
+    const OpIndex index = tape_.add_op(std::move(rec));
+    OpPayload payload;
+    payload.handle = info.handle;
+    payload.args = std::move(f.args);
+    payload.generator = std::move(f.generator);
+    payload.generator_state = std::move(f.generator_state);
+    payloads_.push_back(std::move(payload));
+    if (live_.size() < tape_.values().size()) live_.resize(tape_.values().size());
+    busy_ = false;
+    if (listener_ != nullptr) listener_->on_op_recorded(*this, index);
+  } catch (const std::exception& e) {
+    busy_ = false;
+    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+  }
+}
+
+}  // namespace tapesac::capture

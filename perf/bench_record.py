@@ -1,0 +1,383 @@
+#!/usr/bin/env python3
+# perf/bench_record.py — what recording a tape costs per op, on CPU, in nanoseconds.
+#
+# Contract:
+# - Workloads (each a module whose checkpointed blocks are `blocks.*`):
+#     smallops     one block of --ops tiny ops (mm/add/mul/tanh on --size x --size tensors), so kernel time is
+#                  small and the per-op cost of recording dominates the difference;
+#     qwen3_layer  one tiny Qwen3 decoder layer (tapesac.models.tiny_qwen3, H128) on a short sequence.
+# - Variants, forward only, autograd on (parameters require grad), each on its own deep copy of the module:
+#     plain        no tapesac;
+#     sac_none     inside `with sac.step()` under TapeSAC(policy="none"): the recorder runs and the pack hooks
+#                  keep everything; the step exits without backward (the API allows it);
+#     sac_full     the same with policy="full" (records and also drops, then frees at step exit);
+#     py_mode      a do-nothing Python TorchDispatchMode: the cost tapesac avoids by recording in C++.
+# - Validation before timing: every variant's output is bitwise equal to plain's.
+# - Timing: warm-up rounds, then interleaved rounds (the variant order rotates each round); one sample = the
+#   mean time of `inner` forwards (calibrated so a plain sample lasts >= --min-sample-ms); gc disabled while
+#   timing; one intra-op thread by default (--threads). Reported: median and IQR per variant (us per
+#   forward); ops per forward (recorded by sac_none: sac.last_step.ops_recorded, cross-checked with
+#   len(tapesac.record_ops(...))); overhead per op = median over rounds of (t_variant - t_plain) / ops, with
+#   its IQR, in ns/op. That gross number includes the fixed cost of a step (hooks in and out), which is also
+#   timed alone (`with sac.step(): pass`) and subtracted for the net ns/op.
+# - `--json PATH` writes all numbers with the environment (git sha, torch, CPU model, threads, date);
+#   `--smoke` runs few rounds (< 20 s). Exit status 1 when a variant fails validation.
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.utils._python_dispatch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_tapesac():
+    try:
+        import tapesac
+    except ImportError:
+        # Running from a source checkout whose extension was built in place.
+        sys.path.insert(0, str(REPO / "python"))
+        try:
+            import tapesac
+        except ImportError as e:
+            raise SystemExit(
+                f"bench_record: cannot import tapesac ({e}); expected the package installed "
+                "(e.g. `pip install -e .` at the repository root) or built in place under python/"
+            ) from None
+    return tapesac
+
+
+class SmallOps(nn.Module):
+    """One block of `n_ops` ops on [size, size] tensors: repeated (mm, add, tanh, mul)."""
+
+    def __init__(self, n_ops: int, size: int) -> None:
+        super().__init__()
+        self.groups = max(1, n_ops // 4)
+        self.w = nn.Parameter(torch.randn(size, size) / size**0.5)
+        self.b = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [size, size]
+        h = x
+        for _ in range(self.groups):
+            h = torch.tanh(h @ self.w + self.b) * 0.5  # mm, add, tanh, mul
+        return h
+
+
+class Stack(nn.Module):
+    """Holds the checkpointed block(s) under `blocks` and calls them with fixed extra arguments."""
+
+    def __init__(self, block: nn.Module, **call_kwargs: Any) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([block])
+        self.call_kwargs = call_kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, **self.call_kwargs)
+        return x
+
+
+def build_workload(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, str]:
+    """(module, input, description). The input does not require grad; parameters do."""
+    g = torch.Generator().manual_seed(0)
+    if name == "smallops":
+        torch.manual_seed(0)
+        mod = Stack(SmallOps(args.ops, args.size))
+        x = torch.randn(args.size, args.size, generator=g)
+        return mod, x, f"{mod.blocks[0].groups} x (mm, add, tanh, mul) on {args.size}x{args.size} fp32"
+    if name == "qwen3_layer":
+        from tapesac.models import tiny_qwen3
+
+        model = tiny_qwen3(hidden_size=args.hidden, num_hidden_layers=1, seed=0)
+        layer = model.model.layers[0]
+        x = torch.randn(args.batch, args.seq, args.hidden, generator=g)  # [batch, seq, H]
+        position_ids = torch.arange(args.seq).unsqueeze(0)  # [1, seq]
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(x, position_ids)  # [1, seq, head_dim] each
+        mod = Stack(layer, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+        return mod, x, f"Qwen3DecoderLayer H{args.hidden}, batch {args.batch} x seq {args.seq} fp32, sdpa"
+    raise SystemExit(f"unknown workload {name!r}; expected one of smallops, qwen3_layer")
+
+
+class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Reference cost: a Python dispatch mode that only counts and forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make_variants(tapesac, mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, dict[str, Any]]:
+    """name -> {"fn": zero-arg callable running one forward, "sac": TapeSAC or None, "mod": module}."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        m = copy.deepcopy(mod)
+        if name == "plain":
+            out[name] = {"fn": (lambda m=m: m(x)), "sac": None, "mod": m}
+        elif name in ("sac_none", "sac_full"):
+            sac = tapesac.TapeSAC(m, blocks="blocks.*", policy=name[4:])
+
+            def fn(m=m, sac=sac):
+                with sac.step():
+                    y = m(x)
+                return y
+
+            out[name] = {"fn": fn, "sac": sac, "mod": m}
+        elif name == "py_mode":
+            mode = _CountingMode()
+
+            def fn(m=m, mode=mode):
+                with mode:
+                    return m(x)
+
+            out[name] = {"fn": fn, "sac": None, "mod": m, "mode": mode}
+        else:
+            raise SystemExit(f"unknown variant {name!r}; expected plain, sac_none, sac_full, py_mode")
+    return out
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def _sample(fn: Callable[[], Any], inner: int) -> float:
+    """Mean seconds per call over `inner` calls."""
+    t0 = time.perf_counter_ns()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter_ns() - t0) / inner * 1e-9
+
+
+def _q(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "q1": _q(xs, 0.25), "q3": _q(xs, 0.75), "iqr": _q(xs, 0.75) - _q(xs, 0.25),
+            "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    mod, x, desc = build_workload(name, args)
+    variants = make_variants(tapesac, mod, x, args.variants)
+    res: dict[str, Any] = {"workload": name, "description": desc, "variants": {}, "errors": {}}
+
+    # Validate (and warm the code paths once) before timing; a failing variant is reported and not timed.
+    ref = variants["plain"]["fn"]()
+    for vname, v in list(variants.items()):
+        try:
+            y = v["fn"]()
+        except Exception as e:  # report and go on with the other variants
+            res["errors"][vname] = f"{type(e).__name__}: {e}"
+            del variants[vname]
+            continue
+        if not _bits_equal(y, ref):
+            res["errors"][vname] = "output differs from plain (expected bitwise equal)"
+            del variants[vname]
+
+    # Ops per forward, as tapesac sees them.
+    ops = {}
+    if "sac_none" in variants:
+        st = variants["sac_none"]["sac"].last_step
+        ops["sac_ops_recorded"] = int(st.ops_recorded)
+        ops["sac_block_calls"] = int(st.block_calls)
+    try:
+        ops["record_ops"] = len(tapesac.record_ops(variants["plain"]["mod"], x))
+    except Exception as e:
+        res["errors"]["record_ops"] = f"{type(e).__name__}: {e}"
+    if "py_mode" in variants:
+        mode = variants["py_mode"]["mode"]
+        mode.count = 0
+        variants["py_mode"]["fn"]()
+        ops["py_mode_ops"] = mode.count
+    res["ops"] = ops
+    n_ops = ops.get("sac_ops_recorded") or ops.get("record_ops")
+    if ops.get("sac_ops_recorded") is not None and ops.get("record_ops") is not None \
+            and ops["sac_ops_recorded"] != ops["record_ops"]:
+        res["errors"]["op_count"] = (f"sac.last_step.ops_recorded={ops['sac_ops_recorded']} != "
+                                     f"len(record_ops)={ops['record_ops']} for the same forward")
+
+    # Calibrate `inner` on plain, warmed up, so one sample lasts >= min_sample_ms (the quickest of 3 tries:
+    # a busy machine must not shrink it).
+    for v in variants.values():
+        for _ in range(3):
+            v["fn"]()
+    plain = variants["plain"]["fn"]
+    inner = 1
+    while min(_sample(plain, inner) for _ in range(3)) * inner < args.min_sample_ms * 1e-3 and inner < 1 << 20:
+        inner *= 2
+    res["inner"] = inner
+
+    names = list(variants)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    empty_steps: dict[str, list[float]] = {}
+    for n in names:
+        sac = variants[n]["sac"]
+        if sac is not None:
+            def empty(sac=sac):
+                with sac.step():
+                    pass
+            empty_steps[n] = [_sample(empty, 200) for _ in range(5)]
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(args.warmup + args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for n in order:
+                t = _sample(variants[n]["fn"], inner)
+                if r >= args.warmup:
+                    samples[n].append(t)
+            if gc_was:
+                gc.collect()  # outside the timed samples
+    finally:
+        if gc_was:
+            gc.enable()
+
+    for n in names:
+        v = {"us_per_forward": {k: (val * 1e6 if k != "n" else val) for k, val in _stats(samples[n]).items()}}
+        if n != "plain":
+            denom = ops["py_mode_ops"] if n == "py_mode" else n_ops
+            if denom:
+                per_op = [(t - p) / denom * 1e9 for t, p in zip(samples[n], samples["plain"])]  # paired by round
+                v["overhead_ns_per_op"] = _stats(per_op)
+                v["ops_denominator"] = denom
+                if n in empty_steps:
+                    fixed = statistics.median(empty_steps[n])
+                    v["empty_step_us"] = fixed * 1e6
+                    v["net_overhead_ns_per_op"] = v["overhead_ns_per_op"]["median"] - fixed / denom * 1e9
+            v["ratio_to_plain"] = statistics.median(samples[n]) / statistics.median(samples["plain"])
+        res["variants"][n] = v
+    for v in variants.values():
+        if v["sac"] is not None:
+            v["sac"].close()
+    return res
+
+
+def environment() -> dict[str, Any]:
+    def git(*a: str) -> str | None:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    cpu = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    status = git("status", "--porcelain")
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git("rev-parse", "HEAD"),  # None before the first commit
+        "git_dirty": bool(status) if status is not None else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        ops = res["ops"]
+        print(f"\n{res['workload']}: {res['description']}; ops/forward: tapesac recorded "
+              f"{ops.get('sac_ops_recorded', '?')}, record_ops {ops.get('record_ops', '?')}, "
+              f"python dispatch mode {ops.get('py_mode_ops', '?')}; {res['inner']} forwards per sample")
+        print(f"  {'variant':<10} {'us/forward':>11} {'IQR':>9} {'x plain':>8} {'overhead ns/op':>15} {'IQR':>9} "
+              f"{'ops':>6} {'empty step us':>14} {'net ns/op':>10}")
+        for n, v in res["variants"].items():
+            t = v["us_per_forward"]
+            line = f"  {n:<10} {t['median']:11.2f} {t['iqr']:9.2f}"
+            if "ratio_to_plain" in v:
+                line += f" {v['ratio_to_plain']:8.3f}"
+            if "overhead_ns_per_op" in v:
+                o = v["overhead_ns_per_op"]
+                line += f" {o['median']:15.1f} {o['iqr']:9.1f} {v['ops_denominator']:6d}"
+            if "empty_step_us" in v:
+                line += f" {v['empty_step_us']:14.2f} {v['net_overhead_ns_per_op']:10.1f}"
+            print(line)
+        for k, e in res["errors"].items():
+            print(f"  ERROR {k}: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Per-op cost of tapesac's tape recording (CPU, forward only).")
+    p.add_argument("--workloads", default="smallops,qwen3_layer", help="comma-separated: smallops,qwen3_layer")
+    p.add_argument("--variants", default="plain,sac_none,sac_full,py_mode",
+                   help="comma-separated, plain first: plain,sac_none,sac_full,py_mode")
+    p.add_argument("--ops", type=int, default=200, help="smallops: ops per forward (default 200)")
+    p.add_argument("--size", type=int, default=8, help="smallops: tensor side (default 8)")
+    p.add_argument("--hidden", type=int, default=128, help="qwen3_layer: width (default 128)")
+    p.add_argument("--batch", type=int, default=2, help="qwen3_layer: batch (default 2)")
+    p.add_argument("--seq", type=int, default=32, help="qwen3_layer: sequence length (default 32)")
+    p.add_argument("--rounds", type=int, default=40, help="timed rounds (default 40)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up rounds (default 5)")
+    p.add_argument("--min-sample-ms", type=float, default=20.0, help="shortest plain sample (default 20 ms)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads (default 1: OpenMP barriers on a busy machine add ms of noise; "
+                        "0 keeps torch's default)")
+    p.add_argument("--smoke", action="store_true", help="few rounds, for CI (< 20 s)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results and environment as JSON")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or args.variants[0] != "plain":
+        args.variants = ["plain"] + [v for v in args.variants if v != "plain"]
+    if args.smoke:
+        args.rounds, args.warmup, args.min_sample_ms = min(args.rounds, 5), min(args.warmup, 1), min(args.min_sample_ms, 5.0)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    tapesac = _import_tapesac()
+    env = environment()
+    print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, git {env['git_sha'] or 'none'}"
+          f"{' (dirty)' if env['git_dirty'] else ''}; {args.rounds} rounds after {args.warmup} warm-up")
+    t0 = time.perf_counter()
+    results = [bench_workload(tapesac, w.strip(), args) for w in args.workloads.split(",") if w.strip()]
+    print_table(results)
+    print(f"\n(overhead = median over rounds of (t_variant - t_plain) / ops, IQR over rounds; net = overhead "
+          f"- empty step / ops; "
+          f"{time.perf_counter() - t0:.1f} s)")
+    if args.json:
+        out = {"schema_version": 1, "benchmark": "bench_record", "environment": env,
+               "args": {k: v for k, v in vars(args).items()}, "results": results}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {path}")
+    bad = [k for r in results for k in r["errors"] if k not in ("record_ops",)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

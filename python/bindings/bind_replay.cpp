@@ -1,0 +1,113 @@
+// Bindings of replay/: the step Session and the saved-tensor pack/unpack functions handed to
+// torch.autograd.graph.saved_tensors_hooks (one C++ call per saved tensor, no Python logic).
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "bindings.h"
+#include "tapesac/capture/errors.h"
+#include "tapesac/capture/recorder.h"
+#include "tapesac/replay/session.h"
+
+namespace py = pybind11;
+
+namespace tapesac::python {
+namespace {
+
+using replay::BlockCall;
+using replay::PolicyKind;
+using replay::Session;
+using replay::SessionOptions;
+
+/// What pack returns for a tensor saved inside a block: the block call and the slot.
+struct SavedHandle {
+  std::shared_ptr<BlockCall> block;
+  int32_t slot = -1;
+};
+
+py::dict stats_to_dict(const replay::BlockStats& s) {
+  py::dict d;
+  d["name"] = s.name;
+  d["ops_recorded"] = s.ops_recorded;
+  d["saved"] = s.saved;
+  d["kept"] = s.kept;
+  d["dropped"] = s.dropped;
+  d["opaque"] = s.opaque;
+  d["kept_bytes"] = s.kept_bytes;
+  d["dropped_bytes"] = s.dropped_bytes;
+  d["opaque_bytes"] = s.opaque_bytes;
+  d["replays"] = s.replays;
+  d["ops_replayed"] = s.ops_replayed;
+  d["replay_ns"] = s.replay_ns;
+  d["capture_error"] = s.capture_error;
+  return d;
+}
+
+}  // namespace
+
+void bind_replay(py::module_& m) {
+  py::class_<SavedHandle>(m, "SavedHandle", "A tensor saved for backward inside a tapesac block (opaque).")
+      .def_property_readonly("slot", [](const SavedHandle& h) { return h.slot; });
+
+  py::class_<Session>(m, "Session")
+      .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata) {
+             SessionOptions o;
+             if (policy == "none") {
+               o.policy = PolicyKind::kNone;
+             } else if (policy == "full") {
+               o.policy = PolicyKind::kFull;
+             } else if (policy == "save_ops") {
+               o.policy = PolicyKind::kSaveOps;
+               TAPESAC_CHECK(!save_op.is_none(), kConfig, "policy 'save_ops' needs a save_op callable");
+               o.save_op = [fn = py::function(save_op)](const std::string& name) {
+                 py::gil_scoped_acquire gil;
+                 return fn(name).cast<bool>();
+               };
+             } else {
+               TAPESAC_CHECK(false, kConfig, "unknown policy '", policy, "'; expected 'none', 'full' or 'save_ops'");
+             }
+             o.check_versions = check_versions;
+             o.check_metadata = check_metadata;
+             return std::make_unique<Session>(std::move(o));
+           }),
+           py::arg("policy"), py::arg("save_op") = py::none(), py::arg("check_versions") = true,
+           py::arg("check_metadata") = true)
+      .def("begin_step", &Session::begin_step, py::arg("params"))
+      .def("end_step", &Session::end_step)
+      .def_property_readonly("in_step", &Session::in_step)
+      .def("begin_block",
+           [](Session& s, const std::string& name) { return s.begin_block(name) != nullptr; }, py::arg("name"),
+           "Opens a block call and starts recording; False when a block is already open (nested).")
+      .def("end_block", &Session::end_block)
+      .def_property_readonly("block_open", [](const Session& s) { return s.current_block() != nullptr; })
+      .def("current_op_names",
+           [](const Session& s) {
+             auto b = s.current_block();
+             return b ? b->op_names() : std::vector<std::string>{};
+           })
+      .def(
+          "pack",
+          [](Session& s, const at::Tensor& t) -> py::object {
+            auto block = s.current_block();
+            if (block == nullptr) return py::cast(capture::detached_alias(t));
+            return py::cast(SavedHandle{block, block->pack(t)});
+          },
+          py::arg("tensor"))
+      .def(
+          "unpack",
+          [](Session& /*s*/, const py::object& obj) -> at::Tensor {
+            if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
+            const SavedHandle& h = obj.cast<const SavedHandle&>();
+            py::gil_scoped_release no_gil;  // replay may be long; Python dispatch modes re-take the GIL
+            return h.block->unpack(h.slot);
+          },
+          py::arg("packed"))
+      .def("last_stats",
+           [](const Session& s) {
+             py::list out;
+             for (const auto& b : s.last_stats()) out.append(stats_to_dict(b));
+             return out;
+           })
+      .def("last_replayed_by_name", [](const Session& s) { return s.last_replayed_by_name(); });
+}
+
+}  // namespace tapesac::python

@@ -1,0 +1,28 @@
+"""tapesac: automatic, exact selective activation checkpointing for PyTorch training.
+
+A C++ runtime records each block's forward at the dispatcher into a tape; during backward it replays only the
+producers of the tensors autograd consumes. See README.md for the guide and DESIGN.md for the architecture.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from .errors import CaptureError, ConfigError, MemoryLimitError, ReplayContractError, TapeSACError
+from . import _C  # noqa: E402
+from .core import Approx, BlockStats, StepStats, TapeSAC, record_ops
+from .report import StepReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TapeSAC",
+    "Approx",
+    "StepStats",
+    "BlockStats",
+    "StepReport",
+    "record_ops",
+    "TapeSACError",
+    "ConfigError",
+    "MemoryLimitError",
+    "ReplayContractError",
+    "CaptureError",
+]

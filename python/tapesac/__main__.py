@@ -1,0 +1,6 @@
+"""Command line: ``python -m tapesac demo [options]`` (see ``--help``)."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

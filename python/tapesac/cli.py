@@ -1,0 +1,31 @@
+"""The ``python -m tapesac`` command line: one subcommand per job, each forwarding its options."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+COMMANDS = {
+    "demo": "train a small Qwen3-style model on real text with tapesac and print its report",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m tapesac COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from . import demo
+
+        result = demo.main(rest)
+        return int(result or 0)
+    print(f"tapesac: unknown command {command!r}; expected one of {sorted(COMMANDS)}\n\n{_usage()}", file=sys.stderr)
+    return 2

@@ -1,0 +1,449 @@
+"""The TapeSAC front: configuration, block selection, the per-step hooks, and step statistics.
+
+Contract: ``TapeSAC(model, ...)`` never edits the model (its code, attributes or ``state_dict`` keys). Hooks exist
+only inside ``with sac.step():`` and are removed in ``finally`` — also when the step raised. Everything that runs
+per op or per saved tensor is C++ (``tapesac._C``); this module runs per block call and per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from . import _C
+from .errors import ConfigError, TapeSACError
+
+__all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
+
+POLICIES = ("none", "full")
+BACKENDS = ("auto", "eager")
+CONTRACTS = ("check", "off")
+
+_thread_state = threading.local()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Approx:
+    """Approximate rematerialization of linear layers (not available yet: passing one raises ConfigError).
+
+    fraction: share of components recomputed, in (0, 1].
+    method: "sketch" (unbiased randomized sketch) or "greedy" (most important components).
+    targets: which linear layers: any of "mlp", "attn".
+    """
+
+    fraction: float = 2 / 3
+    method: str = "sketch"
+    targets: tuple[str, ...] = ("mlp", "attn")
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """One block call of a step."""
+
+    name: str
+    ops_recorded: int
+    saved_tensors: int
+    kept_tensors: int
+    dropped_tensors: int
+    opaque_tensors: int
+    kept_bytes: int
+    dropped_bytes: int
+    opaque_bytes: int
+    replays: int
+    ops_replayed: int
+    replay_ms: float
+    capture_error: str = ""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did. Bytes count unique storages; parameters and buffers are not counted as kept."""
+
+    step: int
+    policy: str
+    block_calls: int
+    ops_recorded: int
+    saved_tensors: int
+    kept_tensors: int
+    dropped_tensors: int
+    opaque_tensors: int
+    kept_bytes: int
+    dropped_bytes: int
+    opaque_bytes: int
+    replays: int
+    ops_replayed: int
+    replay_ms: float
+    step_ms: float
+    blocks: tuple[BlockStats, ...] = ()
+    ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
+
+
+def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
+    """Runs ``fn(*args, **kwargs)`` once with the C++ recorder active and returns the ops it recorded.
+
+    The names are those autograd sees (composite ops decomposed): ``"ns::name"`` for a default overload,
+    ``"ns::name.overload"`` otherwise — the same as ``func._schema`` in a ``TorchDispatchMode``.
+    """
+    if not callable(fn):
+        raise ConfigError(f"record_ops expects a callable (a function or an nn.Module), got {type(fn).__name__}")
+    return list(_C.record_ops(fn, *args, **kwargs))
+
+
+def _op_name(op: Any) -> tuple[str, bool]:
+    """(canonical name, is_packet) of a policy entry: OpOverload, OpOverloadPacket or string."""
+    if isinstance(op, torch._ops.OpOverload):
+        schema = op._schema
+        return (schema.name + (f".{schema.overload_name}" if schema.overload_name else "")), False
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name.replace(".", "::", 1) if "::" not in op._qualified_op_name else op._qualified_op_name, True
+    if isinstance(op, str):
+        if "::" in op:
+            base, _, overload = op.partition(".")
+            if not overload:
+                return base, True
+            return (base if overload == "default" else f"{base}.{overload}"), False
+        parts = op.split(".")
+        if len(parts) == 2:
+            return f"{parts[0]}::{parts[1]}", True
+        if len(parts) == 3:
+            base = f"{parts[0]}::{parts[1]}"
+            return (base if parts[2] == "default" else f"{base}.{parts[2]}"), False
+    raise ConfigError(
+        f"policy entries must be op names like 'aten::mm', 'aten::add.Tensor', 'aten.mm.default' or torch.ops "
+        f"objects like torch.ops.aten.mm; got {op!r}"
+    )
+
+
+class _OpSetPolicy:
+    """Save the outputs of the listed ops; packets match every overload. Remembers which entries matched."""
+
+    def __init__(self, ops: Iterable[Any]):
+        self.exact: dict[str, Any] = {}
+        self.packets: dict[str, Any] = {}
+        for op in ops:
+            name, packet = _op_name(op)
+            (self.packets if packet else self.exact)[name] = op
+        self.matched: set[str] = set()
+
+    def __call__(self, op_name: str) -> bool:
+        if op_name in self.exact:
+            self.matched.add(op_name)
+            return True
+        base = op_name.split(".", 1)[0]
+        if base in self.packets:
+            self.matched.add(base)
+            return True
+        return False
+
+    def unmatched(self) -> list[Any]:
+        return [op for name, op in {**self.exact, **self.packets}.items() if name not in self.matched]
+
+
+def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
+    named = list(model.named_modules())
+    by_id = {id(m): n for n, m in named}
+
+    def from_modules(mods: Iterable[Any], what: str) -> list[tuple[str, nn.Module]]:
+        out = []
+        for m in mods:
+            if not isinstance(m, nn.Module):
+                raise ConfigError(f"blocks={what} must contain nn.Module objects, found {type(m).__name__}")
+            if id(m) not in by_id:
+                raise ConfigError(
+                    f"blocks={what} contains a {type(m).__name__} that is not a submodule of the model; pass "
+                    f"modules of this model (e.g. model.model.layers)"
+                )
+            out.append((by_id[id(m)], m))
+        return out
+
+    if isinstance(blocks, nn.ModuleList):
+        chosen = from_modules(blocks, "ModuleList")
+    elif isinstance(blocks, (list, tuple)):
+        chosen = from_modules(blocks, "list")
+    elif isinstance(blocks, type) and issubclass(blocks, nn.Module):
+        chosen = [(n, m) for n, m in named if isinstance(m, blocks) and m is not model]
+    elif isinstance(blocks, str):
+        if "." in blocks or "*" in blocks:
+            pat = blocks.split(".")
+            chosen = [
+                (n, m)
+                for n, m in named
+                if n and len(n.split(".")) == len(pat) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), pat))
+            ]
+        else:
+            chosen = [(n, m) for n, m in named if type(m).__name__ == blocks and m is not model]
+            if not chosen:
+                chosen = [(n, m) for n, m in named if n == blocks]
+    elif isinstance(blocks, nn.Module):
+        chosen = from_modules([blocks], "module")
+    else:
+        raise ConfigError(
+            "blocks must be an nn.ModuleList, a list of modules, a module class, a class name or a dotted path "
+            f"with * (e.g. 'model.layers.*'); got {type(blocks).__name__}"
+        )
+    # Outermost matches only: a block inside another block is recorded as part of the outer one.
+    chosen_ids = {id(m) for _, m in chosen}
+    outer = []
+    for name, m in chosen:
+        parts = name.split(".")
+        ancestors = {".".join(parts[:i]) for i in range(len(parts))}
+        if any(id(mm) in chosen_ids and nn_name in ancestors for nn_name, mm in named if mm is not m):
+            continue
+        outer.append((name, m))
+    if not outer:
+        classes = sorted({type(m).__name__ for _, m in named})[:12]
+        paths = [n for n, _ in named if n][:12]
+        raise ConfigError(
+            f"blocks={blocks!r} matches no submodule of {type(model).__name__}. Expected a dotted path such as "
+            f"{paths[:4]} (with * for any index, e.g. 'model.layers.*'), or a class name such as {classes[:6]}"
+        )
+    return outer
+
+
+class TapeSAC:
+    """Automatic selective activation checkpointing for the blocks of ``model``.
+
+    Args:
+        model: the nn.Module trained; not modified.
+        blocks: the recorded, checkpointed units: an nn.ModuleList, a list of modules, a module class, a class name,
+            or a dotted path with ``*`` (``"model.layers.*"``). Nested matches are merged into the outermost block.
+        policy: ``"full"`` (keep only block inputs and opaque tensors; replay the rest on demand), ``"none"`` (keep
+            everything; only record and measure), a set of op names whose outputs are kept (``{"aten::mm"}``,
+            ``torch.ops.aten.mm``, ``torch.ops.aten.mm.default``), or a callable ``f(op_name) -> bool`` (True keeps;
+            called once per distinct op overload).
+        memory_limit: reserved for the planner (``policy="auto"``); must be None for now.
+        backend: ``"auto"`` or ``"eager"`` (the CUDA-graph backend is not available yet).
+        contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor) or ``"off"``.
+        approx: reserved for approximate rematerialization; must be None for now.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        blocks: Any = "model.layers.*",
+        policy: Any = "full",
+        memory_limit: Any = None,
+        backend: str = "auto",
+        contract: str = "check",
+        approx: Approx | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"TapeSAC expects the model as a torch.nn.Module, got {type(model).__name__}")
+        if memory_limit is not None:
+            raise ConfigError(
+                f"memory_limit={memory_limit!r}: the planner that enforces a memory limit is not available yet; "
+                f"pass memory_limit=None with policy 'full', 'none' or a set of op names"
+            )
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
+        if contract not in CONTRACTS:
+            raise ConfigError(f"contract={contract!r} is not supported; expected one of {list(CONTRACTS)}")
+        if approx is not None:
+            raise ConfigError("approx: approximate rematerialization is not available yet; pass approx=None")
+        self._model = model
+        self._blocks = _resolve_blocks(model, blocks)
+        self._policy_label, session_policy, save_op = self._normalize_policy(policy)
+        self._save_op = save_op
+        check = contract != "off"
+        self._session = _C.Session(session_policy, save_op, check, check)
+        self._steps = 0
+        self._last: StepStats | None = None
+        self._history: list[StepStats] = []
+        self._closed = False
+        self._open: list[tuple[nn.Module, Any]] = []
+        self._warned_unmatched = False
+
+    @staticmethod
+    def _normalize_policy(policy: Any) -> tuple[str, str, Any]:
+        if isinstance(policy, str):
+            if policy in POLICIES:
+                return policy, policy, None
+            if policy == "auto":
+                raise ConfigError(
+                    "policy='auto' needs the memory planner, which is not available yet; use policy='full' (lowest "
+                    "memory), 'none', or a set of op names to keep such as {'aten::mm', 'aten::addmm'}"
+                )
+            raise ConfigError(
+                f"unknown policy {policy!r}; expected one of {list(POLICIES)}, a set of op names to keep "
+                f"(e.g. {{'aten::mm'}}), or a callable op_name -> bool"
+            )
+        if isinstance(policy, (set, frozenset, list, tuple)):
+            matcher = _OpSetPolicy(policy)
+            return "save_ops", "save_ops", matcher
+        if callable(policy):
+            return "callable", "save_ops", lambda name: bool(policy(name))
+        raise ConfigError(
+            f"policy must be one of {list(POLICIES)}, a set of op names, or a callable op_name -> bool; "
+            f"got {type(policy).__name__}"
+        )
+
+    # -- properties -------------------------------------------------------------------------------------------
+    @property
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        """The (qualified name, module) pairs recorded as blocks."""
+        return list(self._blocks)
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Statistics of the most recent finished step (None before the first)."""
+        return self._last
+
+    @property
+    def history(self) -> list[StepStats]:
+        return list(self._history)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator["TapeSAC"]:
+        """Context manager around one training step (forward and backward both inside)."""
+        if self._closed:
+            raise TapeSACError("this TapeSAC was closed; create a new one to train with tapesac again")
+        active = getattr(_thread_state, "active", None)
+        if active is not None:
+            same = "the same" if active is self else "another"
+            raise TapeSACError(
+                f"sac.step() entered while a step of {same} TapeSAC is open on this thread; steps cannot nest. "
+                f"Finish the open `with sac.step():` block first."
+            )
+        params = [p for p in self._model.parameters()] + [b for b in self._model.buffers()]
+        self._session.begin_step(params)
+        _thread_state.active = self
+        handles = []
+        start = time.perf_counter()
+        try:
+            for name, module in self._blocks:
+                handles.append(module.register_forward_pre_hook(self._make_pre_hook(name), with_kwargs=True))
+                handles.append(module.register_forward_hook(self._make_post_hook(module), always_call=True))
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._close_open_blocks()
+            self._session.end_step()
+            _thread_state.active = None
+            self._steps += 1
+            self._last = self._collect(time.perf_counter() - start)
+            self._history.append(self._last)
+            self._warn_unmatched()
+
+    def _make_pre_hook(self, name: str) -> Callable[..., None]:
+        session = self._session
+
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not torch.is_grad_enabled() or session.block_open:
+                return None
+            if session.begin_block(name):
+                hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+                hooks.__enter__()
+                self._open.append((module, hooks))
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self, module: nn.Module) -> Callable[..., None]:
+        def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
+            if self._open and self._open[-1][0] is module:
+                _, hooks = self._open.pop()
+                try:
+                    hooks.__exit__(None, None, None)
+                finally:
+                    self._session.end_block()
+            return None
+
+        return post_hook
+
+    def _close_open_blocks(self) -> None:
+        while self._open:
+            _, hooks = self._open.pop()
+            try:
+                hooks.__exit__(None, None, None)
+            finally:
+                self._session.end_block()
+        self._session.end_block()
+
+    def _collect(self, seconds: float) -> StepStats:
+        raw = self._session.last_stats()
+        blocks = tuple(
+            BlockStats(
+                name=b["name"],
+                ops_recorded=b["ops_recorded"],
+                saved_tensors=b["saved"],
+                kept_tensors=b["kept"],
+                dropped_tensors=b["dropped"],
+                opaque_tensors=b["opaque"],
+                kept_bytes=b["kept_bytes"],
+                dropped_bytes=b["dropped_bytes"],
+                opaque_bytes=b["opaque_bytes"],
+                replays=b["replays"],
+                ops_replayed=b["ops_replayed"],
+                replay_ms=b["replay_ns"] / 1e6,
+                capture_error=b["capture_error"],
+            )
+            for b in raw
+        )
+        for b in blocks:
+            if b.capture_error:
+                warnings.warn(f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept", stacklevel=3)
+
+        def total(attr: str) -> Any:
+            return sum(getattr(b, attr) for b in blocks)
+
+        return StepStats(
+            step=self._steps,
+            policy=self._policy_label,
+            block_calls=len(blocks),
+            ops_recorded=total("ops_recorded"),
+            saved_tensors=total("saved_tensors"),
+            kept_tensors=total("kept_tensors"),
+            dropped_tensors=total("dropped_tensors"),
+            opaque_tensors=total("opaque_tensors"),
+            kept_bytes=total("kept_bytes"),
+            dropped_bytes=total("dropped_bytes"),
+            opaque_bytes=total("opaque_bytes"),
+            replays=total("replays"),
+            ops_replayed=total("ops_replayed"),
+            replay_ms=float(total("replay_ms")),
+            step_ms=seconds * 1e3,
+            blocks=blocks,
+            ops_replayed_by_name=dict(self._session.last_replayed_by_name()),
+        )
+
+    def _warn_unmatched(self) -> None:
+        if self._warned_unmatched or not isinstance(self._save_op, _OpSetPolicy) or not self._last:
+            return
+        if self._last.ops_recorded == 0:
+            return
+        unmatched = self._save_op.unmatched()
+        if unmatched:
+            self._warned_unmatched = True
+            warnings.warn(
+                f"tapesac: policy entries {unmatched!r} matched no op recorded in the blocks' forward; check the "
+                f"names (ops are named as autograd sees them, e.g. 'aten::mm', 'aten::addmm', 'aten::bmm')",
+                stacklevel=3,
+            )
+
+    def report(self) -> "StepReport":
+        """A StepReport of the steps run so far (the last step in detail)."""
+        from .report import StepReport
+
+        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks])
+
+    def close(self) -> None:
+        """Ends any open step and releases the runtime; the model is left exactly as it was."""
+        if self._closed:
+            return
+        self._close_open_blocks()
+        self._session.end_step()
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"TapeSAC(blocks={len(self._blocks)}, policy={self._policy_label!r}, steps={self._steps})"

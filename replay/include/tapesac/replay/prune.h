@@ -1,0 +1,54 @@
+// The pruning pass: from the values autograd still needs and the values replay can use as they are, the minimal
+// set of tape ops to re-run. Torch-free; works on the structural tape only.
+//
+// Note [Live reads]. Replay serves a read of value v at storage state k from a *live* tensor (an external input or
+// a kept value, whose storage holds its final contents) when v is available and k is the storage's final state;
+// a view op (kView) reads its inputs' metadata, not their bytes, so its read of an external value is live at any
+// state. Every other read is served by replay: v's producer, and for a read of bytes (not a view's) every writer of
+// v's storage up to state k — except when v's final bytes can be reached from live values through view ops alone.
+// External storages are never rebuilt: a byte read of one at a state other than its final one cannot be replayed,
+// and neither can an op that writes one. classify_read() is the single place that decides, so that the pruning
+// pass and the replayer agree.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tapesac/capture/tape.h"
+
+namespace tapesac::replay {
+
+using capture::OpIndex;
+using capture::Tape;
+using capture::ValueId;
+
+/// A value wanted at a given state of its storage (the state when autograd saved it).
+struct Read {
+  ValueId value = -1;
+  int32_t state = 0;
+};
+
+enum class ReadSource : uint8_t { kLive, kReplay, kFail };
+
+/// How replay serves reading `value` at `state` (content_free: the reader is a view op). `available[v] != 0` when
+/// replay holds a live tensor for v (externals always, kept values). See Note [Live reads].
+ReadSource classify_read(const Tape& tape, const std::vector<uint8_t>& available, ValueId value, int32_t state,
+                         bool content_free);
+
+struct PruneResult {
+  /// Ops to run, ascending tape order (the order they must run in).
+  std::vector<OpIndex> ops;
+  bool ok = true;
+  /// When !ok: the op that cannot be replayed (or -1), the value read at an unavailable state (or -1), and why.
+  OpIndex blocking_op = -1;
+  ValueId blocking_value = -1;
+  std::string reason;
+};
+
+/// Minimal producer closure of `targets`, stopping at live reads. `available` is indexed by ValueId and may be
+/// shorter than the value table (missing entries count as not available, except externals, which are always live).
+/// Pure function; O(ops + reads) per call.
+PruneResult prune(const Tape& tape, const std::vector<Read>& targets, const std::vector<uint8_t>& available);
+
+}  // namespace tapesac::replay

@@ -1,0 +1,158 @@
+// One TapeSAC step as the C++ runtime sees it: block calls (each with its Recorder and tape), the tensors autograd
+// saves inside them (pack: keep or drop by the policy; unpack: serve, or replay the pruned closure on first need),
+// and the step's counters. The Python package only wires hooks to these calls.
+//
+// Lifetime. A BlockCall is shared by the Session and by every SavedSlot handle that autograd holds. When the step
+// ends the Session closes its block calls: every tensor they hold is released, and a later unpack of one of their
+// handles throws (kGeneric) instead of returning stale data.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tapesac/capture/recorder.h"
+#include "tapesac/replay/eager_replayer.h"
+
+namespace tapesac::replay {
+
+enum class PolicyKind { kNone, kFull, kSaveOps };
+
+struct SessionOptions {
+  PolicyKind policy = PolicyKind::kFull;
+  /// For kSaveOps: true when outputs of the op named (e.g. "aten::mm", "aten::add.Tensor") should be kept.
+  /// Called once per distinct op kind per Session (results cached); may call into Python.
+  std::function<bool(const std::string&)> save_op;
+  /// Check version counters of saved and live tensors at unpack (contract "check"/"strict"); off skips them.
+  bool check_versions = true;
+  /// Check replayed outputs' metadata against the tape.
+  bool check_metadata = true;
+};
+
+struct BlockStats {
+  std::string name;
+  int64_t ops_recorded = 0;
+  int64_t saved = 0;
+  int64_t kept = 0;
+  int64_t dropped = 0;
+  int64_t opaque = 0;
+  int64_t kept_bytes = 0;
+  int64_t dropped_bytes = 0;
+  int64_t opaque_bytes = 0;
+  int64_t replays = 0;
+  int64_t ops_replayed = 0;
+  int64_t replay_ns = 0;
+  std::string capture_error;
+};
+
+/// One call of one block within a step. Thread-safe for pack/unpack after close_forward(); recording itself
+/// happens on the thread that runs the forward.
+class BlockCall : public capture::RecorderListener, public std::enable_shared_from_this<BlockCall> {
+ public:
+  BlockCall(std::string name, const SessionOptions* options, const std::unordered_set<const void*>* param_storages,
+            std::vector<int8_t>* save_cache);
+  ~BlockCall() override;
+
+  void start_forward();
+  /// Ends recording, decides keep/drop for every saved tensor and frees the dropped ones. Never throws.
+  void close_forward() noexcept;
+  /// Called at step end: releases everything; later unpacks throw.
+  void close_step() noexcept;
+
+  /// Registers a tensor autograd saves; returns its slot.
+  int32_t pack(const at::Tensor& t);
+  /// The tensor saved in `slot`, replaying its producers on first need.
+  at::Tensor unpack(int32_t slot);
+
+  BlockStats stats() const;
+  const capture::Tape& tape() const { return recorder_.tape(); }
+  /// Names of the recorded ops, in order.
+  std::vector<std::string> op_names() const;
+  const std::unordered_map<capture::OpKind, int64_t>& replayed_by_kind() const { return replay_stats_.ops_by_kind; }
+
+  void on_op_recorded(capture::Recorder& recorder, capture::OpIndex op) override;
+
+ private:
+  struct Slot {
+    at::Tensor tensor;  // kept value, or held until close_forward() decides
+    capture::ValueId value = -1;
+    int32_t state = 0;
+    bool pending = false;  // saved inside an op that has not finished: resolved when it does
+    bool dropped = false;
+    c10::VariableVersion version{c10::VariableVersion::DISABLED};
+    uint32_t saved_version = 0;
+  };
+
+  void resolve_pending(bool final);
+  bool keep_by_policy(capture::ValueId v, int32_t state);
+  void check_version(const Slot& s, int32_t slot) const;
+  void check_live_versions(const PruneResult& plan) const;
+
+  std::string name_;
+  const SessionOptions* options_;
+  const std::unordered_set<const void*>* param_storages_;
+  std::vector<int8_t>* save_cache_;
+  capture::Recorder recorder_;
+
+  mutable std::mutex mu_;
+  std::vector<Slot> slots_;
+  std::vector<int32_t> pending_;
+  bool forward_closed_ = false;
+  bool step_closed_ = false;
+  std::vector<uint8_t> available_;
+  std::vector<at::Tensor> live_;
+  std::vector<uint32_t> live_versions_;
+  std::unordered_map<capture::ValueId, int32_t> value_state_;
+  // Dropped values: handles not yet unpacked in this round, and replayed tensors waiting for their unpacks.
+  std::unordered_map<capture::ValueId, int32_t> handles_;
+  std::unordered_map<capture::ValueId, int32_t> remaining_;
+  std::unordered_map<capture::ValueId, at::Tensor> cache_;
+  ReplayStats replay_stats_;
+  int64_t replays_ = 0;
+  BlockStats closed_stats_;
+};
+
+/// The runtime state of one TapeSAC instance across steps.
+class Session {
+ public:
+  explicit Session(SessionOptions options);
+  ~Session();
+
+  /// Starts a step; `param_storages` are the storages of the model's parameters and buffers (not activations).
+  void begin_step(const std::vector<at::Tensor>& params);
+  /// Ends the step: closes every block call (releasing memory) and keeps their stats. Never throws.
+  void end_step() noexcept;
+  bool in_step() const { return in_step_; }
+
+  /// Opens a block call (starts recording on this thread). Returns nullptr when a block is already open (nested
+  /// blocks record into the outer one).
+  std::shared_ptr<BlockCall> begin_block(const std::string& name);
+  /// Closes the open block call started by begin_block (no-op when none).
+  void end_block() noexcept;
+  std::shared_ptr<BlockCall> current_block() const { return current_; }
+
+  const std::vector<BlockStats>& last_stats() const { return last_stats_; }
+  const std::vector<std::shared_ptr<BlockCall>>& blocks() const { return blocks_; }
+  /// Replayed op counts of the last step, by op name.
+  const std::unordered_map<std::string, int64_t>& last_replayed_by_name() const { return last_replayed_; }
+  const SessionOptions& options() const { return options_; }
+
+ private:
+  SessionOptions options_;
+  bool in_step_ = false;
+  std::unordered_set<const void*> param_storages_;
+  std::vector<int8_t> save_cache_;
+  std::vector<std::shared_ptr<BlockCall>> blocks_;
+  std::shared_ptr<BlockCall> current_;
+  std::vector<BlockStats> last_stats_;
+  std::unordered_map<std::string, int64_t> last_replayed_;
+};
+
+}  // namespace tapesac::replay

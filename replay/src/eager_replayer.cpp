@@ -1,0 +1,199 @@
+// The eager replayer (see eager_replayer.h).
+#include "tapesac/replay/eager_replayer.h"
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/stack.h>
+
+#include "tapesac/capture/errors.h"
+#include "tapesac/capture/op_kinds.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::ArgRef;
+using capture::OpPayload;
+using capture::OpRecord;
+
+std::string op_label(const Tape& tape, OpIndex i) {
+  return "#" + std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind);
+}
+
+// Saves the state of every generator a replay touches and puts it back on destruction: replay must leave the
+// generators exactly as the forward and backward left them.
+class GeneratorRestorer {
+ public:
+  void remember(at::Generator gen) {
+    c10::GeneratorImpl* impl = gen.unsafeGetGeneratorImpl();
+    if (saved_.count(impl)) return;
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    saved_.emplace(impl, Entry{gen, impl->get_state()});
+  }
+  ~GeneratorRestorer() {
+    for (auto& [impl, e] : saved_) {
+      std::lock_guard<std::mutex> lock(e.gen.mutex());
+      impl->set_state(*e.state);
+    }
+  }
+
+ private:
+  struct Entry {
+    at::Generator gen;
+    c10::intrusive_ptr<c10::TensorImpl> state;
+  };
+  std::map<c10::GeneratorImpl*, Entry> saved_;
+};
+
+void flatten_outputs(const torch::jit::Stack& stack, std::vector<at::Tensor>& out) {
+  for (const c10::IValue& o : stack) {
+    if (o.isTensor()) {
+      out.push_back(o.toTensor());
+    } else if (o.isTensorList()) {
+      for (const at::Tensor& t : o.toTensorList().vec()) out.push_back(t);
+    } else if (o.isList()) {
+      for (const c10::IValue& e : o.toListRef()) {
+        if (e.isTensor()) out.push_back(e.toTensor());
+        else if (e.isNone()) out.emplace_back();
+      }
+    }
+  }
+}
+
+std::string describe(const std::vector<int64_t>& v) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+}  // namespace
+
+std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,
+                                               const ReplayOptions& options, ReplayStats* stats) {
+  const Tape& tape = *source.tape;
+  const auto& payloads = *source.payloads;
+  const auto& live = *source.live;
+  const auto& available = *source.available;
+  const auto t0 = std::chrono::steady_clock::now();
+
+  PruneResult plan = prune(tape, targets, available);
+  TAPESAC_CHECK(plan.ok, kReplayContract, "tapesac cannot rebuild a dropped tensor: ", plan.reason,
+                ". This tensor should have been kept; please report this with the model that triggers it.");
+
+  const size_t nvalues = tape.values().size();
+  std::vector<uint8_t> is_target(nvalues, 0);
+  for (const Read& r : targets) is_target[static_cast<size_t>(r.value)] = 1;
+  // Position in plan.ops of each value's last read, to free replayed intermediates early.
+  std::vector<int32_t> last_use(nvalues, -1);
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    for (const ArgRef& a : tape.op(plan.ops[k]).inputs) last_use[static_cast<size_t>(a.value)] = static_cast<int32_t>(k);
+  }
+
+  std::vector<at::Tensor> env(nvalues);
+  GeneratorRestorer restorer;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  std::vector<at::Tensor> outs;
+
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    const OpIndex i = plan.ops[k];
+    const OpRecord& rec = tape.op(i);
+    const OpPayload& payload = payloads.at(static_cast<size_t>(i));
+    TAPESAC_INTERNAL_ASSERT(payload.handle.has_value(), "op ", op_label(tape, i), " has no operator handle");
+
+    torch::jit::Stack stack(payload.args.begin(), payload.args.end());
+    // Lists are reference types: give each list argument with tensors a fresh copy before filling it.
+    std::vector<uint8_t> list_copied(stack.size(), 0);
+    for (const ArgRef& a : rec.inputs) {
+      const ReadSource src = classify_read(tape, available, a.value, a.state, a.meta_only);
+      const at::Tensor& t = src == ReadSource::kLive ? live[static_cast<size_t>(a.value)] : env[static_cast<size_t>(a.value)];
+      TAPESAC_INTERNAL_ASSERT(t.defined(), "replay of op ", op_label(tape, i), " is missing its input v", a.value);
+      c10::IValue& slot = stack.at(static_cast<size_t>(a.arg));
+      if (a.elem < 0) {
+        slot = t;
+        continue;
+      }
+      if (slot.isTensorList()) {
+        if (!list_copied[static_cast<size_t>(a.arg)]) {
+          slot = c10::List<at::Tensor>();
+          list_copied[static_cast<size_t>(a.arg)] = 1;
+        }
+        auto list = slot.toTensorList();
+        while (list.size() <= static_cast<size_t>(a.elem)) list.push_back(at::Tensor());
+        list.set(static_cast<size_t>(a.elem), t);
+      } else {
+        if (!list_copied[static_cast<size_t>(a.arg)]) {
+          slot = slot.toList().copy();
+          list_copied[static_cast<size_t>(a.arg)] = 1;
+        }
+        auto list = slot.toList();
+        list.set(static_cast<size_t>(a.elem), t);
+      }
+    }
+    if (payload.generator.has_value()) {
+      at::Generator gen = *payload.generator;  // shares the impl; mutex() is non-const
+      restorer.remember(gen);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
+    }
+
+    payload.handle->callBoxed(stack);
+
+    outs.clear();
+    flatten_outputs(stack, outs);
+    TAPESAC_CHECK(outs.size() == rec.outputs.size(), kReplayContract, "replay of op ", op_label(tape, i), " returned ",
+                  outs.size(), " tensors but the forward returned ", rec.outputs.size(),
+                  ". The op is not deterministic in its outputs; keep its results (policy) or report the model.");
+    for (size_t j = 0; j < outs.size(); ++j) {
+      const ValueId v = rec.outputs[j];
+      if (v < 0) continue;
+      const at::Tensor& t = outs[j];
+      if (options.check_metadata) {
+        const capture::TensorMeta& m = tape.value(v).meta;
+        const bool same = t.defined() && t.sizes().vec() == m.sizes && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
+                          (t.layout() != c10::kStrided || t.strides().vec() == m.strides);
+        TAPESAC_CHECK(same, kReplayContract, "replay of op ", op_label(tape, i), " output ", j,
+                      " diverged from the forward: expected sizes ", describe(m.sizes), " strides ",
+                      describe(m.strides), " dtype ", m.dtype, ", got ",
+                      t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec())
+                                  : std::string("an undefined tensor"),
+                      ". The block's inputs or parameters changed shape between forward and backward; run the "
+                      "backward before changing them.");
+      }
+      env[static_cast<size_t>(v)] = t;
+    }
+    for (const ArgRef& a : rec.inputs) {
+      const auto v = static_cast<size_t>(a.value);
+      if (last_use[v] == static_cast<int32_t>(k) && !is_target[v]) env[v].reset();
+    }
+    for (ValueId v : rec.outputs) {
+      if (v >= 0 && last_use[static_cast<size_t>(v)] < 0 && !is_target[static_cast<size_t>(v)]) {
+        env[static_cast<size_t>(v)].reset();  // an output nobody in the closure reads
+      }
+    }
+    if (stats != nullptr) {
+      ++stats->ops;
+      ++stats->ops_by_kind[rec.kind];
+    }
+  }
+
+  std::unordered_map<ValueId, at::Tensor> result;
+  for (const Read& r : targets) {
+    const auto v = static_cast<size_t>(r.value);
+    const ReadSource src = classify_read(tape, available, r.value, r.state, false);
+    at::Tensor t = src == ReadSource::kLive ? live[v] : env[v];
+    TAPESAC_INTERNAL_ASSERT(t.defined(), "replay did not produce target v", r.value);
+    result.emplace(r.value, std::move(t));
+  }
+  if (stats != nullptr) {
+    stats->ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return result;
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,151 @@
+// The pruning pass (see prune.h and Note [Live reads]).
+#include "tapesac/replay/prune.h"
+
+#include <algorithm>
+
+#include "tapesac/capture/op_kinds.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::kExternal;
+using capture::OpFlag;
+using capture::OpRecord;
+using capture::StorageId;
+
+bool is_available(const Tape& tape, const std::vector<uint8_t>& available, ValueId v) {
+  if (tape.value(v).producer == kExternal) return true;
+  return static_cast<size_t>(v) < available.size() && available[static_cast<size_t>(v)] != 0;
+}
+
+std::string op_name(const Tape& tape, OpIndex i) {
+  const OpRecord& op = tape.op(i);
+  return op.kind >= 0 ? capture::op_kind_name(op.kind) : std::string("op");
+}
+
+class Pruner {
+ public:
+  Pruner(const Tape& tape, const std::vector<uint8_t>& available)
+      : tape_(tape),
+        available_(available),
+        needed_(tape.ops().size(), 0),
+        marked_upto_(tape.storages().size(), 0),
+        path_live_(tape.values().size(), -1) {}
+
+  PruneResult run(const std::vector<Read>& targets) {
+    for (const Read& r : targets) {
+      read(r.value, r.state, /*content_free=*/false, /*reader=*/-1);
+      drain();
+      if (!result_.ok) return std::move(result_);
+    }
+    for (size_t i = 0; i < needed_.size(); ++i) {
+      if (needed_[i]) result_.ops.push_back(static_cast<OpIndex>(i));
+    }
+    return std::move(result_);
+  }
+
+ private:
+  void fail(OpIndex op, ValueId v, std::string why) {
+    if (!result_.ok) return;
+    result_.ok = false;
+    result_.blocking_op = op;
+    result_.blocking_value = v;
+    result_.reason = std::move(why);
+  }
+
+  void need(OpIndex i) {
+    if (i < 0 || needed_[static_cast<size_t>(i)]) return;
+    const OpRecord& op = tape_.op(i);
+    if (op.has(capture::kWritesExternal)) {
+      fail(i, -1, "op #" + std::to_string(i) + " (" + op_name(tape_, i) +
+                      ") writes a tensor the block did not create; replay never re-applies such a write");
+      return;
+    }
+    if (op.has(capture::kNonReplayable)) {
+      fail(i, -1, "op #" + std::to_string(i) + " (" + op_name(tape_, i) + ") cannot be replayed");
+      return;
+    }
+    needed_[static_cast<size_t>(i)] = 1;
+    pending_.push_back(i);
+  }
+
+  // True when v's final bytes are reachable from live values through view ops alone.
+  bool path_live(ValueId v) {
+    int8_t& memo = path_live_[static_cast<size_t>(v)];
+    if (memo >= 0) return memo != 0;
+    memo = 0;  // cycles are impossible (producers precede), but be safe
+    const OpIndex p = tape_.value(v).producer;
+    bool ok = false;
+    if (p != kExternal && tape_.op(p).has(capture::kView)) {
+      ok = true;
+      for (const capture::ArgRef& a : tape_.op(p).inputs) {
+        const ReadSource src = classify_read(tape_, available_, a.value, a.state, a.meta_only);
+        if (src == ReadSource::kLive) continue;
+        if (src == ReadSource::kFail || !path_live(a.value)) {
+          ok = false;
+          break;
+        }
+      }
+    }
+    memo = ok ? 1 : 0;
+    return ok;
+  }
+
+  void read(ValueId v, int32_t state, bool content_free, OpIndex reader) {
+    const ReadSource src = classify_read(tape_, available_, v, state, content_free);
+    if (src == ReadSource::kLive) return;
+    if (src == ReadSource::kFail) {
+      fail(reader, v,
+           "value v" + std::to_string(v) + " is read at an earlier state of a tensor the block did not create" +
+               (reader >= 0 ? " (by op #" + std::to_string(reader) + " " + op_name(tape_, reader) + ")" : ""));
+      return;
+    }
+    const capture::ValueInfo& info = tape_.value(v);
+    need(info.producer);
+    if (content_free) return;
+    const capture::StorageInfo& s = tape_.storage(info.storage);
+    if (s.external) return;  // classify_read guarantees the final state: the live storage holds it
+    if (state == s.final_state() && path_live(v)) return;
+    int32_t& upto = marked_upto_[static_cast<size_t>(info.storage)];
+    for (int32_t k = upto; k < state; ++k) need(s.writers[static_cast<size_t>(k)]);
+    upto = std::max(upto, state);
+  }
+
+  void drain() {
+    while (!pending_.empty() && result_.ok) {
+      const OpIndex i = pending_.back();
+      pending_.pop_back();
+      const OpRecord& op = tape_.op(i);
+      for (const capture::ArgRef& a : op.inputs) read(a.value, a.state, a.meta_only, i);
+    }
+  }
+
+  const Tape& tape_;
+  const std::vector<uint8_t>& available_;
+  std::vector<uint8_t> needed_;
+  std::vector<int32_t> marked_upto_;
+  std::vector<int8_t> path_live_;
+  std::vector<OpIndex> pending_;
+  PruneResult result_;
+};
+
+}  // namespace
+
+ReadSource classify_read(const Tape& tape, const std::vector<uint8_t>& available, ValueId value, int32_t state,
+                         bool content_free) {
+  const capture::ValueInfo& info = tape.value(value);
+  const capture::StorageInfo& s = tape.storage(info.storage);
+  const bool at_final = state == s.final_state();
+  if (is_available(tape, available, value) && (at_final || (content_free && info.producer == kExternal))) {
+    return ReadSource::kLive;
+  }
+  if (info.producer == kExternal) return ReadSource::kFail;
+  if (s.external && !at_final && !content_free) return ReadSource::kFail;
+  return ReadSource::kReplay;
+}
+
+PruneResult prune(const Tape& tape, const std::vector<Read>& targets, const std::vector<uint8_t>& available) {
+  return Pruner(tape, available).run(targets);
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,374 @@
+// Block calls and the step session (see session.h).
+#include "tapesac/replay/session.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "tapesac/capture/errors.h"
+#include "tapesac/capture/op_kinds.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::kExternal;
+using capture::Tape;
+using capture::ValueId;
+
+const void* storage_key(const at::Tensor& t) {
+  if (!t.has_storage()) return t.unsafeGetTensorImpl();
+  return t.storage().unsafeGetStorageImpl();
+}
+
+int64_t storage_bytes(const at::Tensor& t) { return t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
+
+std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << " " << t.sizes();
+  return os.str();
+}
+
+}  // namespace
+
+BlockCall::BlockCall(std::string name, const SessionOptions* options,
+                     const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache)
+    : name_(std::move(name)), options_(options), param_storages_(param_storages), save_cache_(save_cache) {
+  closed_stats_.name = name_;
+}
+
+BlockCall::~BlockCall() { recorder_.stop(); }
+
+void BlockCall::start_forward() {
+  recorder_.set_listener(this);
+  try {
+    recorder_.start();
+  } catch (const std::runtime_error& e) {
+    throw Error(ErrorKind::kGeneric,
+                std::string(e.what()) + ". Only one TapeSAC step can record on a thread at a time; close the other "
+                                        "`sac.step()` first.");
+  }
+}
+
+void BlockCall::on_op_recorded(capture::Recorder& /*recorder*/, capture::OpIndex /*op*/) {
+  if (!pending_.empty()) resolve_pending(false);
+}
+
+void BlockCall::resolve_pending(bool final) {
+  const Tape& tape = recorder_.tape();
+  auto keep = pending_.begin();
+  for (int32_t idx : pending_) {
+    Slot& s = slots_[static_cast<size_t>(idx)];
+    const ValueId v = recorder_.find_value(s.tensor);
+    if (v >= 0) {
+      s.value = v;
+      s.state = tape.state_of(tape.value(v).storage);
+      s.pending = false;
+    } else if (final || !recorder_.op_open()) {
+      s.pending = false;  // opaque: the tape did not produce it
+    } else {
+      *keep++ = idx;
+    }
+  }
+  pending_.erase(keep, pending_.end());
+}
+
+int32_t BlockCall::pack(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TAPESAC_INTERNAL_ASSERT(!forward_closed_, "pack after the forward of block ", name_, " closed");
+  Slot s;
+  s.tensor = capture::detached_alias(t);
+  if (t.defined() && !t.is_inference()) {
+    s.version = t.unsafeGetTensorImpl()->version_counter();
+    s.saved_version = s.version.current_version();
+  }
+  const ValueId v = recorder_.find_value(t);
+  const auto idx = static_cast<int32_t>(slots_.size());
+  if (v >= 0) {
+    s.value = v;
+    s.state = recorder_.tape().state_of(recorder_.tape().value(v).storage);
+  } else if (recorder_.active() && recorder_.op_open()) {
+    s.pending = true;
+    pending_.push_back(idx);
+  }
+  slots_.push_back(std::move(s));
+  return idx;
+}
+
+bool BlockCall::keep_by_policy(ValueId v, int32_t state) {
+  const Tape& tape = recorder_.tape();
+  // The policy names the op that computed the bytes: for a view (e.g. _unsafe_view of an mm), the storage's last
+  // writer before the read, not the view op.
+  const capture::StorageInfo& storage = tape.storage(tape.value(v).storage);
+  const capture::OpIndex p = (!storage.external && state > 0 && static_cast<size_t>(state) <= storage.writers.size())
+                                 ? storage.writers[static_cast<size_t>(state) - 1]
+                                 : tape.value(v).producer;
+  switch (options_->policy) {
+    case PolicyKind::kNone:
+      return true;
+    case PolicyKind::kFull:
+      return false;
+    case PolicyKind::kSaveOps: {
+      const capture::OpKind k = tape.op(p).kind;
+      if (save_cache_->size() <= static_cast<size_t>(k)) save_cache_->resize(static_cast<size_t>(k) + 1, -1);
+      int8_t& d = (*save_cache_)[static_cast<size_t>(k)];
+      if (d < 0) d = options_->save_op && options_->save_op(capture::op_kind_name(k)) ? 1 : 0;
+      return d == 1;
+    }
+  }
+  return true;
+}
+
+void BlockCall::close_forward() noexcept {
+  recorder_.stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (forward_closed_) return;
+  forward_closed_ = true;
+  resolve_pending(true);
+  const Tape& tape = recorder_.tape();
+  BlockStats& st = closed_stats_;
+  st.ops_recorded = static_cast<int64_t>(tape.ops().size());
+  st.saved = static_cast<int64_t>(slots_.size());
+  st.capture_error = recorder_.error();
+  live_ = recorder_.live();
+  live_.resize(tape.values().size());
+  available_.assign(tape.values().size(), 0);
+
+  // Values a replay could start from: externals (always), values the policy keeps, values that cannot be rebuilt.
+  std::vector<int8_t> decision(tape.values().size(), -1);  // 1 keep, 0 drop
+  std::vector<int32_t> state_of_value(tape.values().size(), 0);
+  std::vector<ValueId> candidates;
+  bool policy_failed = false;
+  for (Slot& s : slots_) {
+    if (s.value < 0) continue;
+    const auto v = static_cast<size_t>(s.value);
+    state_of_value[v] = s.state;
+    if (decision[v] >= 0) continue;
+    const capture::ValueInfo& info = tape.value(s.value);
+    bool keep = !st.capture_error.empty() || info.producer == kExternal || tape.storage(info.storage).external;
+    if (!keep) {
+      try {
+        keep = keep_by_policy(s.value, s.state);
+      } catch (...) {
+        policy_failed = true;  // the policy callable raised: keep, and say so in the stats
+        keep = true;
+      }
+    }
+    decision[v] = keep ? 1 : 0;
+    if (keep) {
+      available_[v] = 1;
+      live_[v] = s.tensor;
+    } else {
+      candidates.push_back(s.value);
+    }
+  }
+  if (policy_failed && st.capture_error.empty()) st.capture_error = "the policy callable raised; kept everything";
+  std::sort(candidates.begin(), candidates.end());
+  for (ValueId v : candidates) {
+    const PruneResult r = prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_);
+    if (r.ok) continue;
+    decision[static_cast<size_t>(v)] = 1;
+    available_[static_cast<size_t>(v)] = 1;
+    for (Slot& s : slots_) {
+      if (s.value == v) {
+        live_[static_cast<size_t>(v)] = s.tensor;
+        break;
+      }
+    }
+  }
+
+  // Drop: release the slots' references; count bytes by unique storage (a storage that a kept tensor still
+  // holds is not freed by dropping another view of it).
+  std::unordered_set<const void*> kept_storages, opaque_storages, dropped_storages;
+  std::vector<Read> targets;
+  for (Slot& s : slots_) {
+    if (s.value >= 0 && decision[static_cast<size_t>(s.value)] == 0) continue;
+    const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
+    const bool counted = key != nullptr && param_storages_->count(key) == 0;
+    ++st.kept;
+    if (s.value < 0) {
+      ++st.opaque;
+      if (counted && opaque_storages.insert(key).second) st.opaque_bytes += storage_bytes(s.tensor);
+    }
+    if (counted && kept_storages.insert(key).second) st.kept_bytes += storage_bytes(s.tensor);
+  }
+  for (Slot& s : slots_) {
+    if (s.value < 0 || decision[static_cast<size_t>(s.value)] != 0) continue;
+    ++st.dropped;
+    s.dropped = true;
+    const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
+    if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
+      st.dropped_bytes += storage_bytes(s.tensor);
+    }
+    if (handles_[s.value]++ == 0) targets.push_back(Read{s.value, s.state});
+    s.tensor.reset();
+  }
+  remaining_ = handles_;
+
+  // Keep only the live tensors that replay will read.
+  std::vector<uint8_t> needed(live_.size(), 0);
+  if (!targets.empty()) {
+    const PruneResult all = prune(tape, targets, available_);
+    for (capture::OpIndex i : all.ops) {
+      for (const capture::ArgRef& a : tape.op(i).inputs) {
+        if (classify_read(tape, available_, a.value, a.state, a.meta_only) == ReadSource::kLive) {
+          needed[static_cast<size_t>(a.value)] = 1;
+        }
+      }
+    }
+  }
+  for (size_t v = 0; v < live_.size(); ++v) {
+    if (!needed[v]) live_[v].reset();
+  }
+  recorder_.release_live_except({});
+  live_versions_.assign(live_.size(), 0);
+  for (size_t v = 0; v < live_.size(); ++v) {
+    if (live_[v].defined() && !live_[v].is_inference()) {
+      live_versions_[v] = live_[v].unsafeGetTensorImpl()->version_counter().current_version();
+    }
+  }
+  value_state_.clear();
+  for (const Read& r : targets) value_state_[r.value] = r.state;
+}
+
+void BlockCall::check_version(const Slot& s, int32_t slot) const {
+  if (!options_->check_versions || !s.version.enabled()) return;
+  const uint32_t now = s.version.current_version();
+  TAPESAC_CHECK(now == s.saved_version, kReplayContract, "tapesac: tensor #", slot, " saved for backward in block '",
+                name_, "' was modified by an in-place operation after the forward (its version went from ",
+                s.saved_version, " to ", now,
+                "); its gradient would be wrong. Do not modify tensors the backward needs before calling backward "
+                "(use an out-of-place op, or .clone() before the in-place op).");
+}
+
+void BlockCall::check_live_versions(const PruneResult& plan) const {
+  if (!options_->check_versions) return;
+  const Tape& tape = recorder_.tape();
+  for (capture::OpIndex i : plan.ops) {
+    for (const capture::ArgRef& a : tape.op(i).inputs) {
+      const auto v = static_cast<size_t>(a.value);
+      if (v >= live_.size() || !live_[v].defined() || live_[v].is_inference()) continue;
+      if (classify_read(tape, available_, a.value, a.state, a.meta_only) != ReadSource::kLive) continue;
+      const uint32_t now = live_[v].unsafeGetTensorImpl()->version_counter().current_version();
+      TAPESAC_CHECK(now == live_versions_[v], kReplayContract, "tapesac: replaying block '", name_,
+                    "' needs a tensor (", describe_tensor(live_[v]), ", input of op #", i, " ",
+                    capture::op_kind_name(tape.op(i).kind), ") that was modified in place after the block's forward ",
+                    "(version ", live_versions_[v], " -> ", now,
+                    "); replay would see different data than the forward did. Modify block inputs and parameters "
+                    "only after backward (e.g. optimizer.step() after loss.backward()).");
+    }
+  }
+}
+
+at::Tensor BlockCall::unpack(int32_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TAPESAC_CHECK(!step_closed_, kGeneric, "tapesac: a tensor saved in block '", name_,
+                "' was unpacked after its step ended. Run the backward inside `with sac.step():` (forward and "
+                "backward of one step both belong inside the `with` block).");
+  TAPESAC_CHECK(slot >= 0 && static_cast<size_t>(slot) < slots_.size(), kGeneric, "tapesac: unknown saved slot ", slot);
+  const Slot& s = slots_[static_cast<size_t>(slot)];
+  check_version(s, slot);
+  if (!s.dropped) {
+    TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
+    return s.tensor;
+  }
+  const ValueId v = s.value;
+  auto it = cache_.find(v);
+  if (it == cache_.end()) {
+    if (remaining_[v] <= 0) remaining_ = handles_;  // a new backward over the same graph (retain_graph=True)
+    std::vector<Read> targets;
+    for (const auto& [value, count] : remaining_) {
+      if (count > 0 && !cache_.count(value)) targets.push_back(Read{value, value_state_.at(value)});
+    }
+    std::sort(targets.begin(), targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
+    check_live_versions(prune(recorder_.tape(), targets, available_));
+    ReplaySource src;
+    src.tape = &recorder_.tape();
+    src.payloads = &recorder_.payloads();
+    src.live = &live_;
+    src.available = &available_;
+    ReplayOptions opts;
+    opts.check_metadata = options_->check_metadata;
+    auto out = replay(src, targets, opts, &replay_stats_);
+    ++replays_;
+    for (auto& [value, tensor] : out) cache_.emplace(value, std::move(tensor));
+    it = cache_.find(v);
+    TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
+  }
+  at::Tensor t = it->second;
+  if (--remaining_[v] <= 0) cache_.erase(it);
+  return t;
+}
+
+void BlockCall::close_step() noexcept {
+  recorder_.stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_stats_.replays = replays_;
+  closed_stats_.ops_replayed = replay_stats_.ops;
+  closed_stats_.replay_ns = replay_stats_.ns;
+  step_closed_ = true;
+  for (Slot& s : slots_) s.tensor.reset();
+  cache_.clear();
+  live_.clear();
+  recorder_.clear();
+}
+
+BlockStats BlockCall::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  BlockStats st = closed_stats_;
+  st.replays = replays_;
+  st.ops_replayed = replay_stats_.ops;
+  st.replay_ns = replay_stats_.ns;
+  return st;
+}
+
+std::vector<std::string> BlockCall::op_names() const {
+  std::vector<std::string> names;
+  for (const capture::OpRecord& op : recorder_.tape().ops()) names.push_back(capture::op_kind_name(op.kind));
+  return names;
+}
+
+Session::Session(SessionOptions options) : options_(std::move(options)) {}
+
+Session::~Session() { end_step(); }
+
+void Session::begin_step(const std::vector<at::Tensor>& params) {
+  TAPESAC_CHECK(!in_step_, kGeneric,
+                "tapesac: sac.step() was entered while a step of the same TapeSAC is open; steps cannot nest. "
+                "Close the first `with sac.step():` before opening the next.");
+  param_storages_.clear();
+  for (const at::Tensor& p : params) {
+    if (p.defined()) param_storages_.insert(storage_key(p));
+  }
+  blocks_.clear();
+  in_step_ = true;
+}
+
+std::shared_ptr<BlockCall> Session::begin_block(const std::string& name) {
+  if (current_ != nullptr) return nullptr;
+  auto block = std::make_shared<BlockCall>(name, &options_, &param_storages_, &save_cache_);
+  block->start_forward();
+  blocks_.push_back(block);
+  current_ = block;
+  return block;
+}
+
+void Session::end_block() noexcept {
+  if (current_ == nullptr) return;
+  current_->close_forward();
+  current_.reset();
+}
+
+void Session::end_step() noexcept {
+  end_block();
+  if (!in_step_) return;
+  last_stats_.clear();
+  last_replayed_.clear();
+  for (const auto& b : blocks_) {
+    b->close_step();
+    last_stats_.push_back(b->stats());
+    for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;
+  }
+  blocks_.clear();
+  in_step_ = false;
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,793 @@
+// Tests of the pruning pass (replay/prune.h, Note [Live reads]) on hand-made tapes.
+//
+// TapeBuilder fills a Tape exactly the way capture::Recorder does: an op's outputs are created with
+// add_output_value() before add_op(); a new storage is in op.writes and its value is at state 1; an in-place or out=
+// op lists the storage it writes in op.writes and its output is a new value at the previous state + 1; every ArgRef
+// carries the state of its storage at the read; a view op writes nothing, is flagged kView and reads the inputs it
+// aliases meta_only. Two randomized tests compare prune() against independent brute-force references.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tape.h"
+#include "tapesac/replay/prune.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::ArgRef;
+using capture::kExternal;
+using capture::kNonReplayable;
+using capture::kRandom;
+using capture::kView;
+using capture::kWritesExternal;
+using capture::OpRecord;
+using capture::StorageId;
+using capture::TensorMeta;
+using Ops = std::vector<OpIndex>;
+
+constexpr int64_t kBytes = 64;
+
+TensorMeta meta_of_bytes(int64_t nbytes) {
+  TensorMeta m;
+  m.sizes = {nbytes / 4};
+  m.strides = {1};
+  m.dtype = 6;  // float
+  m.nbytes = nbytes;
+  return m;
+}
+
+class TapeBuilder {
+ public:
+  Tape tape;
+
+  /// A block input / parameter: an external value on a new external storage.
+  ValueId ext(int64_t nbytes = kBytes) {
+    const StorageId s = tape.add_storage(/*external=*/true, nbytes);
+    return tape.add_external_value(s, meta_of_bytes(nbytes));
+  }
+
+  /// A functional op: reads `reads` at their storages' current states, returns `n_outputs` values on new storages.
+  std::vector<ValueId> multi(const std::string& name, const std::vector<ValueId>& reads, int n_outputs,
+                             uint32_t flags = 0) {
+    OpRecord rec = record(name, reads, flags);
+    for (int i = 0; i < n_outputs; ++i) {
+      const StorageId s = tape.add_storage(/*external=*/false, kBytes);
+      rec.writes.push_back(s);
+      rec.outputs.push_back(tape.add_output_value(s, /*state=*/1, meta_of_bytes(kBytes)));
+    }
+    tape.add_op(std::move(rec));
+    return tape.op(last_op()).outputs;
+  }
+
+  ValueId op(const std::string& name, const std::vector<ValueId>& reads, uint32_t flags = 0) {
+    return multi(name, reads, 1, flags).front();
+  }
+
+  /// An in-place op (`target.add_(others...)`): writes target's storage (kWritesExternal when it is external, as
+  /// the recorder sets it) and returns the new value of that storage at the next state.
+  ValueId inplace(const std::string& name, ValueId target, const std::vector<ValueId>& others, uint32_t flags = 0) {
+    std::vector<ValueId> reads{target};
+    reads.insert(reads.end(), others.begin(), others.end());
+    return write_into(name, reads, target, flags);
+  }
+
+  /// An out= op (`mul(a, b, out=dst)`): reads `reads`, then `dst` as its last argument, and writes dst's storage.
+  ValueId out_variant(const std::string& name, const std::vector<ValueId>& reads, ValueId dst) {
+    std::vector<ValueId> all = reads;
+    all.push_back(dst);
+    return write_into(name, all, dst, 0);
+  }
+
+  /// A view op with `n` outputs aliasing `base` (split, unbind, ...).
+  std::vector<ValueId> views(const std::string& name, ValueId base, int n) {
+    OpRecord rec = record(name, {base}, kView);
+    rec.inputs[0].meta_only = true;
+    const StorageId s = storage(base);
+    for (int i = 0; i < n; ++i)
+      rec.outputs.push_back(tape.add_output_value(s, tape.state_of(s), tape.value(base).meta));
+    tape.add_op(std::move(rec));
+    return tape.op(last_op()).outputs;
+  }
+
+  ValueId view(const std::string& name, ValueId base) { return views(name, base, 1).front(); }
+
+  /// `v` read now, at its storage's current state (what autograd saves when it saves v at this point).
+  Read now(ValueId v) const { return Read{v, tape.state_of(storage(v))}; }
+  OpIndex last_op() const { return tape.next_op_index() - 1; }
+  OpIndex producer(ValueId v) const { return tape.value(v).producer; }
+  StorageId storage(ValueId v) const { return tape.value(v).storage; }
+
+  /// An `available` vector where exactly `kept` are available (externals are live regardless).
+  std::vector<uint8_t> keep(std::initializer_list<ValueId> kept) const {
+    std::vector<uint8_t> a(tape.values().size(), 0);
+    for (ValueId v : kept)
+      a.at(static_cast<size_t>(v)) = 1;
+    return a;
+  }
+
+ private:
+  OpRecord record(const std::string& name, const std::vector<ValueId>& reads, uint32_t flags) {
+    OpRecord rec;
+    rec.kind = capture::intern_op_kind(name);
+    rec.flags = flags;
+    for (size_t i = 0; i < reads.size(); ++i) {
+      ArgRef a;
+      a.arg = static_cast<int16_t>(i);
+      a.value = reads[i];
+      a.state = tape.state_of(storage(reads[i]));
+      rec.inputs.push_back(a);
+    }
+    return rec;
+  }
+
+  ValueId write_into(const std::string& name, const std::vector<ValueId>& reads, ValueId target, uint32_t flags) {
+    OpRecord rec = record(name, reads, flags);
+    const StorageId s = storage(target);
+    rec.writes.push_back(s);
+    if (tape.storage(s).external)
+      rec.flags |= kWritesExternal;
+    const ValueId out = tape.add_output_value(s, tape.state_of(s) + 1, tape.value(target).meta);
+    rec.outputs.push_back(out);
+    tape.add_op(std::move(rec));
+    return out;
+  }
+};
+
+PruneResult prune_ok(const TapeBuilder& b, const std::vector<Read>& targets, const std::vector<uint8_t>& available) {
+  PruneResult r = prune(b.tape, targets, available);
+  EXPECT_TRUE(r.ok) << r.reason << "\n" << b.tape.to_string();
+  return r;
+}
+
+// --- Basic closures ------------------------------------------------------------------------------------------------
+
+TEST(Prune, EmptyTargetsGiveEmptyResult) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  b.op("aten::relu", {x});
+  const PruneResult r = prune(b.tape, {}, b.keep({}));
+  EXPECT_TRUE(r.ok);
+  EXPECT_TRUE(r.ops.empty());
+  EXPECT_EQ(r.blocking_op, -1);
+  EXPECT_EQ(r.blocking_value, -1);
+}
+
+TEST(Prune, ChainIncludesOnlyProducersUpToTheTarget) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::relu", {x});    // op 0
+  const ValueId c = b.op("aten::mul", {a, a});  // op 1
+  const ValueId d = b.op("aten::exp", {c});     // op 2
+  b.op("aten::sum", {d});                       // op 3
+  EXPECT_EQ(prune_ok(b, {b.now(c)}, b.keep({})).ops, (Ops{0, 1}));
+  EXPECT_EQ(prune_ok(b, {b.now(a)}, b.keep({})).ops, (Ops{0}));
+  EXPECT_EQ(prune_ok(b, {b.now(d)}, b.keep({})).ops, (Ops{0, 1, 2}));
+}
+
+TEST(Prune, DiamondListsTheSharedProducerOnceInTapeOrder) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.ext();
+  b.op("aten::neg", {y});                       // op 0: unrelated
+  const ValueId a = b.op("aten::exp", {x});     // op 1
+  const ValueId l = b.op("aten::sin", {a});     // op 2
+  const ValueId r = b.op("aten::cos", {a});     // op 3
+  b.op("aten::tanh", {x});                      // op 4: unrelated
+  const ValueId d = b.op("aten::add", {l, r});  // op 5
+  EXPECT_EQ(prune_ok(b, {b.now(d)}, b.keep({})).ops, (Ops{1, 2, 3, 5}));
+  // Several targets, duplicated and in reverse order: same ascending, duplicate-free list.
+  EXPECT_EQ(prune_ok(b, {b.now(r), b.now(d), b.now(l), b.now(d)}, b.keep({})).ops, (Ops{1, 2, 3, 5}));
+  EXPECT_EQ(prune_ok(b, {b.now(r), b.now(l)}, b.keep({})).ops, (Ops{1, 2, 3}));
+}
+
+TEST(Prune, DropsProducersWithNoConsumer) {
+  // The classic MLP: y = W2 @ gelu(W1 @ x). Autograd of the last matmul saves gelu's output; recomputing it must
+  // not run the last matmul (nor anything else after gelu).
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId w1 = b.ext();
+  const ValueId w2 = b.ext();
+  const ValueId h = b.op("aten::mm", {x, w1});  // op 0
+  const ValueId g = b.op("aten::gelu", {h});    // op 1
+  const ValueId y = b.op("aten::mm", {g, w2});  // op 2
+  b.op("aten::sum", {y});                       // op 3
+  EXPECT_EQ(prune_ok(b, {b.now(g)}, b.keep({})).ops, (Ops{0, 1}));
+  EXPECT_EQ(prune_ok(b, {b.now(h), b.now(x), b.now(w2)}, b.keep({})).ops, (Ops{0}));
+}
+
+TEST(Prune, ExternalTargetsNeedNoOps) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId w = b.ext();
+  b.op("aten::mm", {x, w});
+  // Externals are live at their final state even with an empty `available` (it may be shorter than the values).
+  EXPECT_TRUE(prune_ok(b, {b.now(x), b.now(w)}, {}).ops.empty());
+  EXPECT_TRUE(prune_ok(b, {b.now(x)}, b.keep({})).ops.empty());
+}
+
+TEST(Prune, ShortAvailableVectorCountsMissingEntriesAsNotAvailable) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::exp", {x});  // op 0
+  const ValueId c = b.op("aten::sin", {a});  // op 1
+  std::vector<uint8_t> short_avail(static_cast<size_t>(a) + 1, 0);
+  short_avail[static_cast<size_t>(a)] = 1;  // c is past the end
+  EXPECT_EQ(prune_ok(b, {b.now(c)}, short_avail).ops, (Ops{1}));
+}
+
+// --- Available values ----------------------------------------------------------------------------------------------
+
+TEST(Prune, KeptValueAtItsFinalStateStopsTheWalk) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::exp", {x});     // op 0
+  const ValueId c = b.op("aten::mul", {a, x});  // op 1
+  const ValueId d = b.op("aten::sin", {c});     // op 2
+  EXPECT_EQ(prune_ok(b, {b.now(d)}, b.keep({c})).ops, (Ops{2}));
+  EXPECT_EQ(prune_ok(b, {b.now(d)}, b.keep({a})).ops, (Ops{1, 2}));
+  EXPECT_TRUE(prune_ok(b, {b.now(c)}, b.keep({c})).ops.empty());
+  EXPECT_EQ(prune_ok(b, {b.now(d)}, b.keep({})).ops, (Ops{0, 1, 2}));
+}
+
+TEST(Prune, KeptValueReadAtAnEarlierStateIsReplayed) {
+  // a is kept, but its storage was later written in place: a kept tensor holds the final bytes (state 2), so a read
+  // of a at state 1 must be rebuilt by a's creator (and nothing after it).
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.ext();
+  const ValueId a = b.op("aten::exp", {x});  // op 0
+  const Read a_before = b.now(a);            // state 1
+  const ValueId s = b.op("aten::sin", {a});  // op 1 reads a at state 1
+  b.inplace("aten::add_", a, {y});           // op 2: a's storage -> state 2
+  EXPECT_EQ(a_before.state, 1);
+  EXPECT_EQ(prune_ok(b, {a_before}, b.keep({a})).ops, (Ops{0}));
+  EXPECT_EQ(prune_ok(b, {b.now(s)}, b.keep({a})).ops, (Ops{0, 1}));
+  // At the final state the kept value is live.
+  EXPECT_TRUE(prune_ok(b, {b.now(a)}, b.keep({a})).ops.empty());
+}
+
+// --- In-place writes -----------------------------------------------------------------------------------------------
+
+TEST(Prune, ReadAfterInplaceIncludesCreatorAndInplaceWriter) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.ext();
+  const ValueId a = b.op("aten::exp", {x});            // op 0
+  const ValueId s = b.op("aten::sin", {a});            // op 1: reads a before add_
+  const ValueId w = b.op("aten::cos", {y});            // op 2: other operand of add_
+  const ValueId a2 = b.inplace("aten::add_", a, {w});  // op 3
+  const ValueId m = b.op("aten::mul", {a2, x});        // op 4: reads after add_
+  b.op("aten::neg", {m});                              // op 5
+  EXPECT_EQ(b.tape.value(a2).state, 2);
+  EXPECT_EQ(b.storage(a2), b.storage(a));
+  // After the write: creator, the writer's other operand, the writer.
+  EXPECT_EQ(prune_ok(b, {b.now(m)}, b.keep({})).ops, (Ops{0, 2, 3, 4}));
+  EXPECT_EQ(prune_ok(b, {b.now(a2)}, b.keep({})).ops, (Ops{0, 2, 3}));
+  // The old value read at the storage's final state sees the write too.
+  EXPECT_EQ(prune_ok(b, {b.now(a)}, b.keep({})).ops, (Ops{0, 2, 3}));
+  // Before the write: not the add_.
+  EXPECT_EQ(prune_ok(b, {b.now(s)}, b.keep({})).ops, (Ops{0, 1}));
+  EXPECT_EQ(prune_ok(b, {Read{a, 1}}, b.keep({})).ops, (Ops{0}));
+}
+
+TEST(Prune, ReadIncludesWritersUpToItsStateOnly) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::exp", {x});            // op 0: state 1
+  const ValueId a2 = b.inplace("aten::mul_", a, {x});  // op 1: state 2
+  const Read at2 = b.now(a2);
+  const ValueId a3 = b.inplace("aten::add_", a2, {x});  // op 2: state 3
+  b.inplace("aten::relu_", a3, {});                     // op 3: state 4
+  EXPECT_EQ(b.tape.state_of(b.storage(a)), 4);
+  EXPECT_EQ(prune_ok(b, {at2}, b.keep({})).ops, (Ops{0, 1}));
+  EXPECT_EQ(prune_ok(b, {Read{a3, 3}}, b.keep({})).ops, (Ops{0, 1, 2}));
+  EXPECT_EQ(prune_ok(b, {Read{a3, 4}}, b.keep({})).ops, (Ops{0, 1, 2, 3}));
+  // A later read at a lower state does not undo an earlier one at a higher state (and vice versa).
+  EXPECT_EQ(prune_ok(b, {Read{a3, 3}, at2}, b.keep({})).ops, (Ops{0, 1, 2}));
+  EXPECT_EQ(prune_ok(b, {at2, Read{a3, 3}}, b.keep({})).ops, (Ops{0, 1, 2}));
+}
+
+TEST(Prune, InplaceOnAViewOfAnIntermediate) {
+  // t = exp(x); v = t.view(...); v.add_(y); autograd saves t afterwards (state 2).
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.ext();
+  const ValueId t = b.op("aten::exp", {x});  // op 0
+  const Read t_before = b.now(t);
+  const ValueId v = b.view("aten::view", t);  // op 1
+  b.op("aten::neg", {y});                     // op 2: unrelated
+  b.inplace("aten::add_", v, {y});            // op 3: writes t's storage through the view
+  b.op("aten::sum", {t});                     // op 4: after the read
+  EXPECT_EQ(b.tape.state_of(b.storage(t)), 2);
+  EXPECT_TRUE(b.tape.op(1).has(kView));
+  EXPECT_TRUE(b.tape.op(1).writes.empty());
+  EXPECT_EQ(prune_ok(b, {b.now(t)}, b.keep({})).ops, (Ops{0, 1, 3}));
+  EXPECT_EQ(prune_ok(b, {t_before}, b.keep({})).ops, (Ops{0}));
+  // Keeping t at its final state makes the read live.
+  EXPECT_TRUE(prune_ok(b, {b.now(t)}, b.keep({t})).ops.empty());
+}
+
+TEST(Prune, OutVariantWritingAnIntermediateStorage) {
+  // buf = empty(...); u = exp(x); mul(u, u, out=buf); autograd saves buf afterwards.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId buf = b.op("aten::empty_like", {x});              // op 0
+  const ValueId u = b.op("aten::exp", {x});                       // op 1
+  const ValueId o = b.out_variant("aten::mul.out", {u, u}, buf);  // op 2
+  b.op("aten::sum", {o});                                         // op 3
+  EXPECT_EQ(b.storage(o), b.storage(buf));
+  EXPECT_EQ(b.tape.value(o).state, 2);
+  EXPECT_EQ(b.tape.storage(b.storage(buf)).writers, (Ops{0, 2}));
+  EXPECT_EQ(prune_ok(b, {b.now(o)}, b.keep({})).ops, (Ops{0, 1, 2}));
+  EXPECT_EQ(prune_ok(b, {b.now(buf)}, b.keep({})).ops, (Ops{0, 1, 2}));
+  EXPECT_EQ(prune_ok(b, {Read{buf, 1}}, b.keep({})).ops, (Ops{0}));
+  // u kept: the out= op still runs, exp does not.
+  EXPECT_EQ(prune_ok(b, {b.now(o)}, b.keep({u})).ops, (Ops{0, 2}));
+}
+
+// --- Multi-output ops ----------------------------------------------------------------------------------------------
+
+TEST(Prune, MultiOutputOpIsListedOnce) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const std::vector<ValueId> top = b.multi("aten::topk", {x}, 2);   // op 0: values, indices
+  const ValueId t = b.op("aten::exp", {x});                         // op 1
+  const std::vector<ValueId> parts = b.views("aten::split", t, 3);  // op 2
+  const ValueId m = b.op("aten::mul", {parts[0], parts[2]});        // op 3
+  b.op("aten::sum", {parts[1]});                                    // op 4
+  ASSERT_EQ(top.size(), 2u);
+  ASSERT_EQ(parts.size(), 3u);
+  EXPECT_EQ(prune_ok(b, {b.now(top[1])}, b.keep({})).ops, (Ops{0}));
+  EXPECT_EQ(prune_ok(b, {b.now(top[0]), b.now(top[1])}, b.keep({})).ops, (Ops{0}));
+  EXPECT_EQ(prune_ok(b, {b.now(parts[1])}, b.keep({})).ops, (Ops{1, 2}));
+  EXPECT_EQ(prune_ok(b, {b.now(m), b.now(parts[1])}, b.keep({})).ops, (Ops{1, 2, 3}));
+}
+
+// --- What cannot be replayed ---------------------------------------------------------------------------------------
+
+TEST(Prune, OpThatWritesAnExternalInTheClosureFails) {
+  // p.add_(a) on a parameter, then c = p * x; autograd saves c.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId p = b.ext();
+  const ValueId a = b.op("aten::exp", {x});            // op 0
+  const ValueId p2 = b.inplace("aten::add_", p, {a});  // op 1: kWritesExternal
+  const ValueId c = b.op("aten::mul", {p2, x});        // op 2
+  ASSERT_TRUE(b.tape.op(1).has(kWritesExternal));
+  const PruneResult r = prune(b.tape, {b.now(c)}, b.keep({}));
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.blocking_op, 1);
+  EXPECT_NE(r.reason.find("writes"), std::string::npos) << r.reason;
+  EXPECT_NE(r.reason.find("aten::add_"), std::string::npos) << r.reason;
+  // Reads that do not reach the write are fine: the external itself at its final state, and exp's output.
+  EXPECT_TRUE(prune_ok(b, {b.now(p)}, b.keep({})).ops.empty());
+  EXPECT_EQ(prune_ok(b, {b.now(a)}, b.keep({})).ops, (Ops{0}));
+  // Keeping c makes the write unnecessary.
+  EXPECT_TRUE(prune_ok(b, {b.now(c)}, b.keep({c})).ops.empty());
+}
+
+TEST(Prune, ByteReadOfAnExternalAtAnEarlierStateFails) {
+  // a = x * p reads p before the block writes it in place: p's old bytes are gone.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId p = b.ext();
+  const Read p_before = b.now(p);
+  const ValueId a = b.op("aten::mul", {x, p});  // op 0: reads p at state 0
+  b.inplace("aten::mul_", p, {x});              // op 1: p -> state 1
+  EXPECT_EQ(b.tape.state_of(b.storage(p)), 1);
+  PruneResult r = prune(b.tape, {b.now(a)}, b.keep({}));
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.blocking_value, p);
+  EXPECT_EQ(r.blocking_op, 0);
+  EXPECT_FALSE(r.reason.empty());
+  // Directly as a target.
+  r = prune(b.tape, {p_before}, b.keep({}));
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.blocking_value, p);
+  EXPECT_EQ(r.blocking_op, -1);
+  // Keeping a avoids the read.
+  EXPECT_TRUE(prune_ok(b, {b.now(a)}, b.keep({a})).ops.empty());
+}
+
+TEST(Prune, ViewOfAnExternalAtAnEarlierStateIsFine) {
+  // pt = p.t() before p is written in place; autograd saves pt afterwards (final state): the view only takes p's
+  // metadata, so it is replayed on the live p.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId p = b.ext();
+  const ValueId pt = b.view("aten::t", p);      // op 0: meta_only read of p at state 0
+  b.inplace("aten::add_", p, {x});              // op 1: kWritesExternal, p -> state 1
+  const ValueId m = b.op("aten::mm", {x, pt});  // op 2: reads pt at the final state
+  EXPECT_EQ(b.tape.op(0).inputs[0].state, 0);
+  EXPECT_EQ(prune_ok(b, {b.now(pt)}, b.keep({})).ops, (Ops{0}));
+  EXPECT_EQ(prune_ok(b, {b.now(m)}, b.keep({})).ops, (Ops{0, 2}));
+  // But the view's bytes at the earlier state are gone.
+  EXPECT_FALSE(prune(b.tape, {Read{pt, 0}}, b.keep({})).ok);
+}
+
+TEST(Prune, NonReplayableOpFails) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::exp", {x});                         // op 0
+  const ValueId c = b.op("c10d::allreduce_", {a}, kNonReplayable);  // op 1
+  const ValueId d = b.op("aten::sin", {c});                         // op 2
+  PruneResult r = prune(b.tape, {b.now(d)}, b.keep({}));
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.blocking_op, 1);
+  EXPECT_NE(r.reason.find("c10d::allreduce_"), std::string::npos) << r.reason;
+  EXPECT_EQ(prune_ok(b, {b.now(d)}, b.keep({c})).ops, (Ops{2}));
+  EXPECT_EQ(prune_ok(b, {b.now(a)}, b.keep({})).ops, (Ops{0}));
+}
+
+TEST(Prune, RandomOpIsReplayable) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId d = b.op("aten::native_dropout", {x}, kRandom);  // op 0
+  const ValueId y = b.op("aten::mul", {d, x});                   // op 1
+  EXPECT_EQ(prune_ok(b, {b.now(y)}, b.keep({})).ops, (Ops{0, 1}));
+}
+
+TEST(Prune, AliasOfAnExternalWrittenInTheBlockIsServedByTheLiveStorage) {
+  // p.add_(x) writes the external p; then an op that is not a view returns a new tensor and an alias of p (state 1,
+  // p's final state). Reading the alias needs that op only: the live p holds the final bytes, and the write to p is
+  // never re-applied.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId p = b.ext();
+  b.inplace("aten::add_", p, {x});  // op 0: kWritesExternal, p -> state 1
+  OpRecord rec;
+  rec.kind = capture::intern_op_kind("tapesac_test::new_and_alias");
+  rec.inputs = {ArgRef{0, -1, p, 1, false}};
+  const StorageId fresh = b.tape.add_storage(false, kBytes);
+  rec.writes = {fresh};
+  const ValueId n = b.tape.add_output_value(fresh, 1, meta_of_bytes(kBytes));
+  const ValueId al = b.tape.add_output_value(b.storage(p), 1, meta_of_bytes(kBytes));
+  rec.outputs = {n, al};
+  b.tape.add_op(std::move(rec));  // op 1
+  ASSERT_FALSE(b.tape.op(1).has(kView));
+  EXPECT_EQ(prune_ok(b, {b.now(al)}, b.keep({})).ops, (Ops{1}));
+  EXPECT_EQ(prune_ok(b, {b.now(n)}, b.keep({})).ops, (Ops{1}));
+}
+
+// --- Views of live values (path_live) ------------------------------------------------------------------------------
+
+TEST(Prune, ViewOfAKeptValueNeedsOnlyTheViewOp) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId t = b.op("aten::exp", {x});         // op 0
+  const ValueId v = b.view("aten::view", t);        // op 1
+  const ValueId vv = b.view("aten::transpose", v);  // op 2
+  EXPECT_EQ(prune_ok(b, {b.now(v)}, b.keep({t})).ops, (Ops{1}));
+  EXPECT_EQ(prune_ok(b, {b.now(vv)}, b.keep({t})).ops, (Ops{1, 2}));
+  EXPECT_EQ(prune_ok(b, {b.now(vv)}, b.keep({v})).ops, (Ops{2}));
+  // Without t kept, the storage's creator runs.
+  EXPECT_EQ(prune_ok(b, {b.now(v)}, b.keep({})).ops, (Ops{0, 1}));
+}
+
+TEST(Prune, ViewOfAnExternalNeedsOnlyTheViewOp) {
+  TapeBuilder b;
+  const ValueId w = b.ext();
+  const ValueId x = b.ext();
+  const ValueId wt = b.view("aten::t", w);      // op 0
+  const ValueId y = b.op("aten::mm", {x, wt});  // op 1
+  EXPECT_EQ(prune_ok(b, {b.now(wt)}, b.keep({})).ops, (Ops{0}));
+  EXPECT_EQ(prune_ok(b, {b.now(y)}, b.keep({})).ops, (Ops{0, 1}));
+}
+
+TEST(Prune, ViewOfAKeptValueWrittenLaterIsReplayed) {
+  // v = t.view(); t.add_(y): the view op read t at state 1, the storage ends at state 2; reading v at state 2 needs
+  // the writers (the kept t is not at the state the view op read it).
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.ext();
+  const ValueId t = b.op("aten::exp", {x});   // op 0
+  const ValueId v = b.view("aten::view", t);  // op 1
+  b.inplace("aten::add_", t, {y});            // op 2
+  const PruneResult r = prune_ok(b, {b.now(v)}, b.keep({t}));
+  EXPECT_EQ(r.ops, (Ops{0, 1, 2}));
+}
+
+TEST(Prune, ViewOfAKeptValueReadAtAnEarlierStateIsReplayed) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.ext();
+  const ValueId t = b.op("aten::exp", {x});   // op 0
+  const ValueId v = b.view("aten::view", t);  // op 1
+  const Read v_before = b.now(v);
+  const ValueId t2 = b.inplace("aten::add_", t, {y});  // op 2
+  EXPECT_EQ(prune_ok(b, {v_before}, b.keep({t, t2})).ops, (Ops{0, 1}));
+}
+
+// --- classify_read -------------------------------------------------------------------------------------------------
+
+TEST(ClassifyRead, ExternalValues) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId p = b.ext();
+  b.inplace("aten::add_", p, {x});  // p: state 0 -> 1
+  const std::vector<uint8_t> none;  // externals are live without an entry
+  EXPECT_EQ(classify_read(b.tape, none, x, 0, false), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, none, x, 0, true), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, none, p, 1, false), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, none, p, 0, false), ReadSource::kFail);
+  EXPECT_EQ(classify_read(b.tape, none, p, 0, true), ReadSource::kLive);
+}
+
+TEST(ClassifyRead, InternalValues) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::exp", {x});  // state 1
+  const ValueId c = b.op("aten::sin", {x});  // state 1, final
+  b.inplace("aten::add_", a, {x});           // a's storage -> 2
+  EXPECT_EQ(classify_read(b.tape, b.keep({}), c, 1, false), ReadSource::kReplay);
+  EXPECT_EQ(classify_read(b.tape, b.keep({c}), c, 1, false), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, b.keep({c}), c, 1, true), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, {}, c, 1, false), ReadSource::kReplay);
+  // Kept, but read before its storage's last write: replayed, bytes or not.
+  EXPECT_EQ(classify_read(b.tape, b.keep({a}), a, 1, false), ReadSource::kReplay);
+  EXPECT_EQ(classify_read(b.tape, b.keep({a}), a, 1, true), ReadSource::kReplay);
+  EXPECT_EQ(classify_read(b.tape, b.keep({a}), a, 2, false), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, b.keep({}), a, 2, false), ReadSource::kReplay);
+}
+
+TEST(ClassifyRead, InternalViewOfAnExternalStorage) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId p = b.ext();
+  const ValueId pv = b.view("aten::view", p);  // on p's storage, state 0
+  b.inplace("aten::add_", p, {x});             // -> state 1
+  EXPECT_EQ(classify_read(b.tape, b.keep({}), pv, 1, false), ReadSource::kReplay);
+  EXPECT_EQ(classify_read(b.tape, b.keep({}), pv, 0, false), ReadSource::kFail);
+  EXPECT_EQ(classify_read(b.tape, b.keep({}), pv, 0, true), ReadSource::kReplay);
+  EXPECT_EQ(classify_read(b.tape, b.keep({pv}), pv, 1, false), ReadSource::kLive);
+  EXPECT_EQ(classify_read(b.tape, b.keep({pv}), pv, 0, false), ReadSource::kFail);
+}
+
+// --- Randomized comparisons against brute-force references ---------------------------------------------------------
+
+std::vector<uint8_t> random_available(const Tape& tape, std::mt19937& rng, double p) {
+  std::bernoulli_distribution keep(p);
+  std::vector<uint8_t> a(tape.values().size(), 0);
+  for (size_t v = 0; v < a.size(); ++v)
+    a[v] = (tape.values()[v].producer != kExternal && keep(rng)) ? 1 : 0;
+  // Sometimes shorter than the value table (missing entries are not available).
+  if (!a.empty() && std::bernoulli_distribution(0.2)(rng)) {
+    a.resize(std::uniform_int_distribution<size_t>(0, a.size())(rng));
+  }
+  return a;
+}
+
+bool avail(const Tape& tape, const std::vector<uint8_t>& a, ValueId v) {
+  if (tape.value(v).producer == kExternal)
+    return true;
+  return static_cast<size_t>(v) < a.size() && a[static_cast<size_t>(v)] != 0;
+}
+
+// Reverse reachability through producers from the target values, stopping at available values. Exact for tapes
+// of functional ops only (one writer per storage, every read at the final state).
+Ops reachable_producers(const Tape& tape, const std::vector<Read>& targets, const std::vector<uint8_t>& a) {
+  std::set<OpIndex> seen;
+  std::vector<ValueId> stack;
+  for (const Read& r : targets)
+    stack.push_back(r.value);
+  while (!stack.empty()) {
+    const ValueId v = stack.back();
+    stack.pop_back();
+    if (avail(tape, a, v))
+      continue;
+    const OpIndex p = tape.value(v).producer;
+    if (!seen.insert(p).second)
+      continue;
+    for (const ArgRef& in : tape.op(p).inputs)
+      stack.push_back(in.value);
+  }
+  return Ops(seen.begin(), seen.end());
+}
+
+TEST(Prune, MatchesReverseReachabilityOnRandomFunctionalTapes) {
+  std::mt19937 rng(20240611);
+  int nonempty = 0;
+  int partial = 0;
+  for (int round = 0; round < 200; ++round) {
+    TapeBuilder b;
+    std::vector<ValueId> values;
+    const int n_ext = std::uniform_int_distribution<int>(1, 4)(rng);
+    for (int i = 0; i < n_ext; ++i)
+      values.push_back(b.ext());
+    const int n_ops = std::uniform_int_distribution<int>(1, 40)(rng);
+    for (int i = 0; i < n_ops; ++i) {
+      const int n_in = std::uniform_int_distribution<int>(1, 3)(rng);
+      std::vector<ValueId> reads;
+      for (int k = 0; k < n_in; ++k) {
+        // Prefer recent values so chains get deep.
+        const int lo = std::max(0, static_cast<int>(values.size()) - 8);
+        const int pick = std::bernoulli_distribution(0.7)(rng)
+                             ? std::uniform_int_distribution<int>(lo, static_cast<int>(values.size()) - 1)(rng)
+                             : std::uniform_int_distribution<int>(0, static_cast<int>(values.size()) - 1)(rng);
+        reads.push_back(values[static_cast<size_t>(pick)]);
+      }
+      const int n_out = std::bernoulli_distribution(0.2)(rng) ? 2 : 1;
+      for (ValueId v : b.multi("aten::op" + std::to_string(i % 7), reads, n_out))
+        values.push_back(v);
+    }
+    const std::vector<uint8_t> available = random_available(b.tape, rng, round % 3 == 0 ? 0.0 : 0.25);
+    std::vector<Read> targets;
+    const int n_targets = std::uniform_int_distribution<int>(0, 4)(rng);
+    for (int k = 0; k < n_targets; ++k) {
+      const ValueId v = values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
+      targets.push_back(b.now(v));
+    }
+    const PruneResult got = prune(b.tape, targets, available);
+    const Ops want = reachable_producers(b.tape, targets, available);
+    ASSERT_TRUE(got.ok) << got.reason;
+    ASSERT_EQ(got.ops, want) << "round " << round << "\n" << b.tape.to_string();
+    nonempty += want.empty() ? 0 : 1;
+    partial += (!want.empty() && want.size() < b.tape.ops().size()) ? 1 : 0;
+  }
+  // The generator exercises the interesting cases (non-trivial and proper-subset closures).
+  EXPECT_GT(nonempty, 100);
+  EXPECT_GT(partial, 50);
+}
+
+// Note [Live reads] restated as a fixpoint, with no worklist, memo or per-storage watermark: the needed set is the
+// least set closed under "every read of a target or of a needed op that classify() does not serve live needs the
+// value's producer and, for a byte read, the storage's writers up to the read state (unless the value's final bytes
+// come from live values through views)". Separately, the closure fails when it holds a read that cannot be served
+// or an op that must not be replayed.
+struct Reference {
+  const Tape& tape;
+  const std::vector<uint8_t>& a;
+
+  ReadSource classify(ValueId v, int32_t k, bool cf) const {
+    const capture::ValueInfo& info = tape.value(v);
+    const capture::StorageInfo& s = tape.storage(info.storage);
+    const bool ext_value = info.producer == kExternal;
+    const bool final = k == s.final_state();
+    if (avail(tape, a, v) && (final || (cf && ext_value)))
+      return ReadSource::kLive;
+    if (ext_value)
+      return ReadSource::kFail;
+    if (s.external && !final && !cf)
+      return ReadSource::kFail;
+    return ReadSource::kReplay;
+  }
+
+  bool through_views(ValueId v) const {
+    const OpIndex p = tape.value(v).producer;
+    if (p == kExternal || !tape.op(p).has(kView))
+      return false;
+    for (const ArgRef& in : tape.op(p).inputs) {
+      const ReadSource src = classify(in.value, in.state, in.meta_only);
+      if (src == ReadSource::kFail)
+        return false;
+      if (src == ReadSource::kReplay && !through_views(in.value))
+        return false;
+    }
+    return true;
+  }
+
+  // Adds the ops read (v, k, cf) needs to `needed`; false when the read cannot be served.
+  bool serve(ValueId v, int32_t k, bool cf, std::set<OpIndex>& needed) const {
+    const ReadSource src = classify(v, k, cf);
+    if (src == ReadSource::kLive)
+      return true;
+    if (src == ReadSource::kFail)
+      return false;
+    const capture::ValueInfo& info = tape.value(v);
+    const capture::StorageInfo& s = tape.storage(info.storage);
+    needed.insert(info.producer);
+    if (cf || s.external)
+      return true;
+    if (k == s.final_state() && through_views(v))
+      return true;
+    for (int32_t w = 0; w < k; ++w)
+      needed.insert(s.writers[static_cast<size_t>(w)]);
+    return true;
+  }
+
+  PruneResult run(const std::vector<Read>& targets) const {
+    std::set<OpIndex> needed;
+    bool ok = true;
+    for (;;) {
+      std::set<OpIndex> next = needed;
+      for (const Read& r : targets)
+        ok = serve(r.value, r.state, false, next) && ok;
+      for (OpIndex i : needed) {
+        for (const ArgRef& in : tape.op(i).inputs)
+          ok = serve(in.value, in.state, in.meta_only, next) && ok;
+      }
+      if (next == needed)
+        break;
+      needed = std::move(next);
+    }
+    PruneResult r;
+    for (OpIndex i : needed) {
+      if (tape.op(i).has(kWritesExternal) || tape.op(i).has(kNonReplayable))
+        ok = false;
+    }
+    r.ok = ok;
+    if (ok)
+      r.ops.assign(needed.begin(), needed.end());
+    return r;
+  }
+};
+
+TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
+  std::mt19937 rng(7);
+  int failures = 0;
+  int successes = 0;
+  int with_writers = 0;
+  for (int round = 0; round < 300; ++round) {
+    TapeBuilder b;
+    std::vector<ValueId> values;
+    const int n_ext = std::uniform_int_distribution<int>(1, 3)(rng);
+    for (int i = 0; i < n_ext; ++i)
+      values.push_back(b.ext());
+    const int n_ops = std::uniform_int_distribution<int>(1, 30)(rng);
+    auto pick = [&] { return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)]; };
+    for (int i = 0; i < n_ops; ++i) {
+      const int kind = std::uniform_int_distribution<int>(0, 99)(rng);
+      if (kind < 45) {
+        const uint32_t flags = std::bernoulli_distribution(0.03)(rng) ? kNonReplayable : 0u;
+        const int n_out = std::bernoulli_distribution(0.15)(rng) ? 2 : 1;
+        for (ValueId v : b.multi("aten::f", {pick(), pick()}, n_out, flags))
+          values.push_back(v);
+      } else if (kind < 70) {
+        const int n_out = std::bernoulli_distribution(0.2)(rng) ? 2 : 1;
+        for (ValueId v : b.views("aten::view", pick(), n_out))
+          values.push_back(v);
+      } else if (kind < 90) {
+        // In place, mostly on internal storages (writing an external is kWritesExternal).
+        ValueId target = pick();
+        for (int tries = 0; tries < 3 && b.tape.storage(b.storage(target)).external; ++tries)
+          target = pick();
+        values.push_back(b.inplace("aten::add_", target, {pick()}));
+      } else {
+        ValueId dst = pick();
+        for (int tries = 0; tries < 3 && b.tape.storage(b.storage(dst)).external; ++tries)
+          dst = pick();
+        values.push_back(b.out_variant("aten::mul.out", {pick(), pick()}, dst));
+      }
+    }
+    const std::vector<uint8_t> available = random_available(b.tape, rng, round % 4 == 0 ? 0.0 : 0.3);
+    std::vector<Read> targets;
+    const int n_targets = std::uniform_int_distribution<int>(1, 3)(rng);
+    for (int k = 0; k < n_targets; ++k) {
+      // Any state the value existed at: from its own state to its storage's final one.
+      const ValueId v = pick();
+      const int32_t lo = b.tape.value(v).state;
+      const int32_t hi = b.tape.state_of(b.storage(v));
+      targets.push_back(Read{v, std::uniform_int_distribution<int32_t>(lo, hi)(rng)});
+    }
+    const PruneResult got = prune(b.tape, targets, available);
+    const PruneResult want = Reference{b.tape, available}.run(targets);
+    ASSERT_EQ(got.ok, want.ok) << "round " << round << ": " << got.reason << "\n" << b.tape.to_string();
+    if (want.ok) {
+      ASSERT_EQ(got.ops, want.ops) << "round " << round << "\n" << b.tape.to_string();
+      ++successes;
+      for (OpIndex i : want.ops) {
+        if (b.tape.op(i).outputs.size() == 1 && b.tape.value(b.tape.op(i).outputs[0]).state > 1) {
+          ++with_writers;
+          break;
+        }
+      }
+    } else {
+      EXPECT_FALSE(got.reason.empty());
+      ++failures;
+    }
+  }
+  EXPECT_GT(successes, 100);
+  EXPECT_GT(failures, 10);
+  EXPECT_GT(with_writers, 30);
+}
+
+}  // namespace
+}  // namespace tapesac::replay

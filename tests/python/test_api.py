@@ -1,0 +1,417 @@
+"""The public API: typed errors with helpful messages, block selection, hook hygiene, state_dict, close()."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models as M
+from conftest import assert_same_grads, assert_same_tensor, default_loss, reference_check
+
+
+@pytest.fixture
+def tapesac():
+    import tapesac as mod
+
+    return mod
+
+
+def stack(n: int = 2) -> M.Stack:
+    torch.manual_seed(0)
+    return M.Stack([M.MLPBlock() for _ in range(n)])
+
+
+def x_in() -> torch.Tensor:
+    return torch.randn(M.B, M.T, M.D, requires_grad=True)
+
+
+def mentions(msg: str, *words: str) -> None:
+    low = msg.lower()
+    missing = [w for w in words if w.lower() not in low]
+    assert not missing, f"error message does not mention {missing}: {msg!r}"
+
+
+def hook_snapshot(model: nn.Module) -> dict:
+    """Every hook dict of every submodule, plus the global module hooks and the saved-tensor hooks stack."""
+    snap = {}
+    for name, mod in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+                     "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+            d = getattr(mod, attr, None)
+            if d is not None:
+                snap[(name, attr)] = list(d.keys())
+    from torch.nn.modules import module as nn_module
+
+    for attr in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        snap[("<global>", attr)] = list(getattr(nn_module, attr, {}).keys())
+    return snap
+
+
+def assert_no_saved_tensor_hooks() -> None:
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, (
+        "a saved-tensor hook is still installed outside the step")
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    assert isinstance(y.grad_fn._saved_result, torch.Tensor)
+    assert torch.equal(y.grad_fn._saved_result, y.detach())
+
+
+def assert_clean_step_works(tapesac, model_factory=stack, policy="full") -> None:
+    """A fresh reference check on an identical model: the library state is healthy."""
+    reference_check(model_factory, lambda: (x_in(),), policy, "blocks.*")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_error_hierarchy(tapesac) -> None:
+    assert issubclass(tapesac.TapeSACError, RuntimeError)
+    assert issubclass(tapesac.ConfigError, tapesac.TapeSACError) and issubclass(tapesac.ConfigError, ValueError)
+    for name in ("MemoryLimitError", "ReplayContractError", "CaptureError"):
+        assert issubclass(getattr(tapesac, name), tapesac.TapeSACError), name
+
+
+@pytest.mark.parametrize("not_a_module", [lambda x: x, "model", torch.randn(2), None])
+def test_model_not_a_module(tapesac, not_a_module) -> None:
+    with pytest.raises(tapesac.ConfigError, match=r"(?i)module") as ei:
+        tapesac.TapeSAC(not_a_module, blocks="blocks.*", policy="full")
+    mentions(str(ei.value), "nn.Module")
+    mentions(str(ei.value), type(not_a_module).__name__)
+
+
+@pytest.mark.parametrize("blocks", ["layers.*", "blocks.7", "model.layers.*", [], nn.Conv2d, "Conv2d"])
+def test_blocks_matching_nothing(tapesac, blocks) -> None:
+    with pytest.raises(tapesac.ConfigError) as ei:
+        tapesac.TapeSAC(stack(), blocks=blocks, policy="full")
+    msg = str(ei.value)
+    mentions(msg, "blocks")
+    if isinstance(blocks, str):
+        mentions(msg, blocks)
+    elif isinstance(blocks, type):
+        mentions(msg, blocks.__name__)
+
+
+def test_unknown_policy_string(tapesac) -> None:
+    with pytest.raises(tapesac.ConfigError, match=re.escape("fulll")) as ei:
+        tapesac.TapeSAC(stack(), blocks="blocks.*", policy="fulll")
+    mentions(str(ei.value), "none", "full")
+
+
+@pytest.mark.parametrize("bad", [3.5, 7, b"full", object()])
+def test_policy_of_wrong_type(tapesac, bad) -> None:
+    with pytest.raises(tapesac.ConfigError) as ei:
+        tapesac.TapeSAC(stack(), blocks="blocks.*", policy=bad)
+    msg = str(ei.value)
+    mentions(msg, type(bad).__name__)  # what was found
+    assert any(w in msg.lower() for w in ("callable", "set")), f"accepted policy types not listed: {msg!r}"
+
+
+@pytest.mark.parametrize("kw, accepted", [
+    (dict(backend="tpu"), ("eager", "auto")),
+    (dict(contract="sometimes"), ("check", "strict", "off")),
+])
+def test_unknown_backend_or_contract(tapesac, kw, accepted) -> None:
+    with pytest.raises(tapesac.ConfigError) as ei:
+        tapesac.TapeSAC(stack(), blocks="blocks.*", policy="full", **kw)
+    mentions(str(ei.value), next(iter(kw.values())), *accepted)
+
+
+def test_nested_step_same_instance(tapesac) -> None:
+    model = stack()
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        torch.manual_seed(1)
+        x, xr = x_in(), None
+        torch.manual_seed(1)
+        xr = x_in()
+        default_loss(ref, (xr,)).backward()
+        with sac.step():
+            with pytest.raises(tapesac.TapeSACError) as ei:
+                with sac.step():
+                    pass
+            mentions(str(ei.value), "step")
+            # The outer step is intact after the refused inner one.
+            loss = default_loss(model, (x,))
+            loss.backward()
+        assert_same_grads(model, ref)
+        assert_same_tensor("input grad", x.grad, xr.grad)
+        st = sac.last_step
+        assert st.ops_recorded > 0 and st.dropped_tensors > 0 and st.ops_replayed > 0, st
+    finally:
+        sac.close()
+    assert_no_saved_tensor_hooks()
+
+
+def test_nested_step_two_instances(tapesac) -> None:
+    a, b = stack(), stack()
+    sac_a = tapesac.TapeSAC(a, blocks="blocks.*", policy="full")
+    sac_b = tapesac.TapeSAC(b, blocks="blocks.*", policy="full")
+    try:
+        with sac_a.step():
+            with pytest.raises(tapesac.TapeSACError) as ei:
+                with sac_b.step():
+                    pass
+            mentions(str(ei.value), "step")
+            default_loss(a, (x_in(),)).backward()
+        assert sac_a.last_step.dropped_tensors > 0
+        # sac_b is still usable on its own afterwards.
+        with sac_b.step():
+            default_loss(b, (x_in(),)).backward()
+        assert sac_b.last_step.ops_recorded > 0 and sac_b.last_step.dropped_tensors > 0
+    finally:
+        sac_a.close()
+        sac_b.close()
+    assert_no_saved_tensor_hooks()
+
+
+def test_backward_after_step_ended_raises_then_next_step_works(tapesac) -> None:
+    model = stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with sac.step():
+            loss = default_loss(model, (x_in(),))
+        assert sac.last_step.dropped_tensors > 0, "nothing was dropped, so the late backward cannot fail"
+        with pytest.raises(tapesac.TapeSACError) as ei:
+            loss.backward()
+        mentions(str(ei.value), "step")
+        del loss
+    finally:
+        sac.close()
+    assert_no_saved_tensor_hooks()
+    assert_clean_step_works(tapesac)
+
+
+def _failing_stack() -> M.Stack:
+    torch.manual_seed(0)
+    return M.Stack([M.MLPBlock(), M.FailingBlock(), M.MLPBlock()])
+
+
+def test_exception_in_block_forward_propagates_and_leaves_no_hooks(tapesac) -> None:
+    model = _failing_stack()
+    ref = copy.deepcopy(model)
+    before_construction = hook_snapshot(model)
+    sd_keys = list(model.state_dict().keys())
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        before_step = hook_snapshot(model)
+        model.blocks[1].fail = True
+        with pytest.raises(ValueError) as ei:
+            with sac.step():
+                default_loss(model, (x_in(),))
+        assert ei.value is model.blocks[1].error, f"the exception was replaced: {ei.value!r}"
+        assert_no_saved_tensor_hooks()
+        assert hook_snapshot(model) == before_step, "the failed step left module hooks behind"
+        assert list(model.state_dict().keys()) == sd_keys
+
+        # The next step is exact and its stats are those of a clean TapeSAC (no leftover tape or recorder state).
+        model.blocks[1].fail = False
+        torch.manual_seed(3)
+        x = x_in()
+        with sac.step():
+            default_loss(model, (x,)).backward()
+        torch.manual_seed(3)
+        xr = x_in()
+        default_loss(ref, (xr,)).backward()
+        assert_same_grads(model, ref)
+        assert_same_tensor("input grad", x.grad, xr.grad)
+
+        clean = copy.deepcopy(ref)
+        clean.zero_grad(set_to_none=True)
+        sac_clean = tapesac.TapeSAC(clean, blocks="blocks.*", policy="full")
+        torch.manual_seed(3)
+        with sac_clean.step():
+            default_loss(clean, (x_in(),)).backward()
+        for field in ("block_calls", "ops_recorded", "saved_tensors", "dropped_tensors", "kept_bytes", "ops_replayed"):
+            assert getattr(sac.last_step, field) == getattr(sac_clean.last_step, field), (
+                field, sac.last_step, sac_clean.last_step)
+        sac_clean.close()
+    finally:
+        sac.close()
+    assert hook_snapshot(model) == before_construction, "close() left hooks behind"
+
+
+def test_exception_in_backward_hook_propagates_and_next_step_works(tapesac) -> None:
+    model = stack(3)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    err = KeyError("boom from a tensor hook")
+
+    def raising_hook(grad):
+        raise err
+
+    try:
+        with pytest.raises(KeyError) as ei:
+            with sac.step():
+                h = model.blocks[0](x_in())
+                h.register_hook(raising_hook)
+                out = model.blocks[2](model.blocks[1](h))
+                out.square().mean().backward()
+        assert ei.value is err
+        assert_no_saved_tensor_hooks()
+    finally:
+        sac.close()
+    assert_clean_step_works(tapesac)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Block selection
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _selected_names(tapesac, model: nn.Module, blocks, ids: torch.Tensor) -> list[str]:
+    sac = tapesac.TapeSAC(model, blocks=blocks, policy="full")
+    try:
+        with sac.step():
+            M.hf_loss(model, ids).backward()
+        return [b.name for b in sac.last_step.blocks], sac.last_step.block_calls
+    finally:
+        sac.close()
+
+
+def test_block_specs_select_the_same_modules(tapesac) -> None:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    model = M.hf_llama(2)
+    ids = torch.randint(0, M.HF_VOCAB, (M.B, M.T))
+    specs = {
+        "ModuleList": model.model.layers,
+        "list": list(model.model.layers),
+        "class": LlamaDecoderLayer,
+        "class name": "LlamaDecoderLayer",
+        "dotted path": "model.layers.*",
+    }
+    results = {k: _selected_names(tapesac, model, spec, ids) for k, spec in specs.items()}
+    want = (["model.layers.0", "model.layers.1"], 2)
+    for k, got in results.items():
+        assert (list(got[0]), got[1]) == want, f"blocks given as {k} selected {got}, expected {want}"
+
+
+def test_single_block_and_nested_matches(tapesac) -> None:
+    model = stack(3)
+    assert _selected_names_stack(tapesac, model, "blocks.1") == ["blocks.1"]
+    # Inner matches (fc1 inside blocks.0) are ignored: blocks never nest.
+    assert _selected_names_stack(tapesac, model, [model.blocks[0], model.blocks[0].fc1]) == ["blocks.0"]
+    assert _selected_names_stack(tapesac, model, M.MLPBlock) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def _selected_names_stack(tapesac, model, blocks) -> list[str]:
+    sac = tapesac.TapeSAC(model, blocks=blocks, policy="full")
+    try:
+        with sac.step():
+            default_loss(model, (x_in(),)).backward()
+        assert sac.last_step.ops_recorded > 0
+        return [b.name for b in sac.last_step.blocks]
+    finally:
+        sac.close()
+        model.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Policy spellings
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _nobias_stack() -> M.Stack:
+    torch.manual_seed(0)
+    return M.Stack([M.MLPBlock(bias=False) for _ in range(2)])  # F.linear without bias: aten::mm
+
+
+def _stats_for(tapesac, policy):
+    res = reference_check(_nobias_stack, lambda: (torch.randn(2 * M.T, M.D, requires_grad=True),), policy,
+                          "blocks.*")
+    s = res.stats
+    return (s.kept_tensors, s.dropped_tensors, s.kept_bytes, s.dropped_bytes, s.ops_replayed)
+
+
+def test_policy_op_spellings_are_equivalent(tapesac) -> None:
+    """"aten::mm", torch.ops.aten.mm (packet), torch.ops.aten.mm.default and "aten.mm.default" all save mm outputs
+    (an OpOverloadPacket that silently matches nothing is a known trap)."""
+    full = _stats_for(tapesac, "full")
+    base = _stats_for(tapesac, {"aten::mm"})
+    assert base != full, f"policy {{'aten::mm'}} behaved like 'full' ({base}): mm outputs were not saved"
+    assert base[2] > full[2], "saving mm outputs must keep more bytes than 'full'"
+    for spelling in ([torch.ops.aten.mm], frozenset({torch.ops.aten.mm.default}), ["aten.mm.default"]):
+        assert _stats_for(tapesac, spelling) == base, spelling
+
+
+def test_callable_policy_called_once_per_overload(tapesac) -> None:
+    calls = []
+
+    def policy(op: str) -> bool:
+        calls.append(op)
+        return op == "aten::mm"
+
+    got = _stats_for(tapesac, policy)
+    assert got == _stats_for(tapesac, {"aten::mm"})
+    assert calls, "the callable policy was never called"
+    assert len(calls) == len(set(calls)), f"called more than once for {[c for c in set(calls) if calls.count(c) > 1]}"
+    assert all("::" in c for c in calls), calls
+    assert "aten::mm" in calls and "aten::gelu" in calls, calls
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hygiene
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_state_dict_keys_unchanged_and_close_removes_everything(tapesac) -> None:
+    torch.manual_seed(0)
+    model = M.hf_qwen3(2)
+    keys = list(model.state_dict().keys())
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    before = hook_snapshot(model)
+    attrs = {n: type(m) for n, m in model.named_modules()}
+
+    sac = tapesac.TapeSAC(model, blocks="model.layers.*", policy="full")
+    assert list(model.state_dict().keys()) == keys
+    assert {n: type(m) for n, m in model.named_modules()} == attrs, "TapeSAC replaced or wrapped modules"
+    ids = torch.randint(0, M.HF_VOCAB, (M.B, M.T))
+    with sac.step():
+        M.hf_loss(model, ids).backward()
+    assert sac.last_step.dropped_tensors > 0
+    assert list(model.state_dict().keys()) == keys
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[k]), f"{k} changed during a step without an optimizer"
+    assert_no_saved_tensor_hooks()
+
+    sac.close()
+    assert hook_snapshot(model) == before, "close() left hooks behind"
+    assert list(model.state_dict().keys()) == keys
+    sac.close()  # idempotent
+    # After close the model runs as a plain module, and hooks stay absent.
+    model.zero_grad(set_to_none=True)
+    M.hf_loss(model, ids).backward()
+    assert hook_snapshot(model) == before
+    assert_no_saved_tensor_hooks()
+
+
+def test_report_and_last_step(tapesac) -> None:
+    model = stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        assert sac.last_step is None
+        with sac.step():
+            default_loss(model, (x_in(),)).backward()
+        st = sac.last_step
+        assert st.step == 1 and st.policy == "full" and st.block_calls == 2
+        assert len(st.blocks) == 2 and all(b.ops_recorded > 0 for b in st.blocks)
+        assert sum(b.ops_recorded for b in st.blocks) == st.ops_recorded
+        assert sum(b.ops_replayed for b in st.blocks) == st.ops_replayed
+        assert sum(b.dropped_bytes for b in st.blocks) >= st.dropped_bytes > 0
+        with pytest.raises(AttributeError):
+            st.step = 5  # frozen dataclass: dataclasses.FrozenInstanceError
+        rep = sac.report()
+        d = rep.to_dict()
+        assert isinstance(d, dict) and d
+        assert isinstance(rep.pretty(), str) and rep.pretty()
+    finally:
+        sac.close()

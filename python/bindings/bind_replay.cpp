@@ -49,7 +49,8 @@ void bind_replay(py::module_& m) {
       .def_property_readonly("slot", [](const SavedHandle& h) { return h.slot; });
 
   py::class_<Session>(m, "Session")
-      .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata) {
+      .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
+                       bool check_bytes) {
              SessionOptions o;
              if (policy == "none") {
                o.policy = PolicyKind::kNone;
@@ -67,10 +68,11 @@ void bind_replay(py::module_& m) {
              }
              o.check_versions = check_versions;
              o.check_metadata = check_metadata;
+             o.check_bytes = check_bytes;
              return std::make_unique<Session>(std::move(o));
            }),
            py::arg("policy"), py::arg("save_op") = py::none(), py::arg("check_versions") = true,
-           py::arg("check_metadata") = true)
+           py::arg("check_metadata") = true, py::arg("check_bytes") = false)
       .def("begin_step", &Session::begin_step, py::arg("params"))
       .def("end_step", &Session::end_step)
       .def_property_readonly("in_step", &Session::in_step)

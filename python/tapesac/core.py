@@ -25,7 +25,7 @@ __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
 POLICIES = ("none", "full")
 BACKENDS = ("auto", "eager")
-CONTRACTS = ("check", "off")
+CONTRACTS = ("check", "strict", "off")
 
 _thread_state = threading.local()
 
@@ -221,7 +221,9 @@ class TapeSAC:
             called once per distinct op overload).
         memory_limit: reserved for the planner (``policy="auto"``); must be None for now.
         backend: ``"auto"`` or ``"eager"`` (the CUDA-graph backend is not available yet).
-        contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor) or ``"off"``.
+        contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor, metadata checks
+            on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
+            compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
         approx: reserved for approximate rematerialization; must be None for now.
     """
 
@@ -254,7 +256,7 @@ class TapeSAC:
         self._policy_label, session_policy, save_op = self._normalize_policy(policy)
         self._save_op = save_op
         check = contract != "off"
-        self._session = _C.Session(session_policy, save_op, check, check)
+        self._session = _C.Session(session_policy, save_op, check, check, contract == "strict")
         self._steps = 0
         self._last: StepStats | None = None
         self._history: list[StepStats] = []

@@ -21,6 +21,16 @@ const void* storage_key(const at::Tensor& t) {
 
 int64_t storage_bytes(const at::Tensor& t) { return t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 
+// FNV-1a over the tensor's bytes in logical (contiguous) order; CUDA tensors are copied to the host first.
+uint64_t byte_checksum(const at::Tensor& t) {
+  at::Tensor c = t.is_cpu() ? t.contiguous() : t.to(c10::kCPU).contiguous();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  const size_t n = static_cast<size_t>(c.numel()) * c.element_size();
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
 std::string describe_tensor(const at::Tensor& t) {
   std::ostringstream os;
   os << t.scalar_type() << " " << t.sizes();
@@ -198,7 +208,10 @@ void BlockCall::close_forward() noexcept {
     if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
       st.dropped_bytes += storage_bytes(s.tensor);
     }
-    if (handles_[s.value]++ == 0) targets.push_back(Read{s.value, s.state});
+    if (handles_[s.value]++ == 0) {
+      targets.push_back(Read{s.value, s.state});
+      if (options_->check_bytes) checksums_[s.value] = byte_checksum(s.tensor);
+    }
     s.tensor.reset();
   }
   remaining_ = handles_;
@@ -289,7 +302,17 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     opts.check_metadata = options_->check_metadata;
     auto out = replay(src, targets, opts, &replay_stats_);
     ++replays_;
-    for (auto& [value, tensor] : out) cache_.emplace(value, std::move(tensor));
+    for (auto& [value, tensor] : out) {
+      if (options_->check_bytes) {
+        auto c = checksums_.find(value);
+        TAPESAC_CHECK(c == checksums_.end() || c->second == byte_checksum(tensor), kReplayContract,
+                      "tapesac: replay of block '", name_, "' diverged: the rebuilt tensor v", value, " (",
+                      describe_tensor(tensor), ") differs bytewise from the one the forward saved. A kernel in the "
+                      "block is not deterministic (enable torch.use_deterministic_algorithms(True)) or state it "
+                      "reads changed; keep its outputs with a policy set to avoid replaying it.");
+      }
+      cache_.emplace(value, std::move(tensor));
+    }
     it = cache_.find(v);
     TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
   }

@@ -16,12 +16,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import weakref
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 D = 64  # default hidden size
 T = 16  # default sequence length
@@ -256,19 +256,25 @@ class FailingBlock(MLPBlock):
 
 
 class WeakrefMLPBlock(nn.Module):
-    """An MLP block that records weak references to its intermediates (and its input) in `self.refs`."""
+    """An MLP block that records weak references to the *storages* of its input and intermediates in `self.refs`.
+
+    Storage-level (StorageWeakRef.expired() is true once the memory is released), not Python-object-level: a
+    runtime may legitimately hold a tensor through another TensorImpl (a detached alias) that shares the storage,
+    so the Python tensor object dying says nothing about the memory.
+    """
 
     def __init__(self, d: int, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(d, hidden)
         self.fc2 = nn.Linear(hidden, d)
-        self.refs: list[tuple[str, weakref.ref]] = []
+        self.refs: list[tuple[str, StorageWeakRef]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # saved by gelu
         a = F.gelu(h)  # saved by fc2
         y = self.fc2(a)
-        self.refs += [("input", weakref.ref(x)), ("fc1_out", weakref.ref(h)), ("gelu_out", weakref.ref(a))]
+        self.refs += [(k, StorageWeakRef(t.untyped_storage())) for k, t in (("input", x), ("fc1_out", h),
+                                                                            ("gelu_out", a))]
         return y
 
 

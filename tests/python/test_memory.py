@@ -1,9 +1,9 @@
 """A dropped tensor is really freed, and the step's byte accounting matches what the block saved.
 
-Liveness is observed with weak references to the intermediates a block creates (WeakrefMLPBlock): a tensor held by
-the autograd graph (or by any strong reference in tapesac) keeps its Python object alive; a tensor that was dropped
-and released is deallocated as soon as the block's forward returns. No gc.collect(): memory must be released by
-reference counting, as the allocator sees it.
+Liveness is observed with weak references to the *storages* of the tensors a block creates (WeakrefMLPBlock,
+torch's StorageWeakRef): a storage held by the autograd graph or by tapesac stays alive; a storage that was dropped
+is released as soon as the block's forward returns. No gc.collect(): memory must be released by reference
+counting, as the allocator sees it.
 
 Sizes: a Stack of 4 MLP blocks, hidden 256 -> 1024 -> 256, input [512, 256] fp32 (2-D, so F.linear is addmm
 saving the block input itself): per block, input 512 KiB, fc1 output and gelu output 2 MiB each.
@@ -40,7 +40,7 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 
 def alive(model: M.Stack, kind: str) -> list[str]:
-    return [f"blocks.{i}:{k}" for i, blk in enumerate(model.blocks) for k, r in blk.refs if k == kind and r() is not None]
+    return [f"blocks.{i}:{k}" for i, blk in enumerate(model.blocks) for k, r in blk.refs if k == kind and not r.expired()]
 
 
 def clear_refs(model: M.Stack) -> None:
@@ -68,7 +68,7 @@ def test_dropped_intermediates_are_freed_after_each_block(policy: str) -> None:
     def check_previous_block(i):
         def hook(_mod, _args):
             prev = model.blocks[i - 1]
-            seen_at_next_block.append([k for k, r in prev.refs if k != "input" and r() is not None])
+            seen_at_next_block.append([k for k, r in prev.refs if k != "input" and not r.expired()])
         return hook
 
     handles = [model.blocks[i].register_forward_pre_hook(check_previous_block(i)) for i in range(1, NBLK)]

@@ -34,6 +34,8 @@ struct SessionOptions {
   bool check_versions = true;
   /// Check replayed outputs' metadata against the tape.
   bool check_metadata = true;
+  /// Contract "strict": checksum every dropped tensor's bytes at forward and compare after replay.
+  bool check_bytes = false;
 };
 
 struct BlockStats {
@@ -110,6 +112,7 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   std::vector<at::Tensor> live_;
   std::vector<uint32_t> live_versions_;
   std::unordered_map<capture::ValueId, int32_t> value_state_;
+  std::unordered_map<capture::ValueId, uint64_t> checksums_;
   // Dropped values: handles not yet unpacked in this round, and replayed tensors waiting for their unpacks.
   std::unordered_map<capture::ValueId, int32_t> handles_;
   std::unordered_map<capture::ValueId, int32_t> remaining_;

@@ -1,0 +1,77 @@
+"""Replay contract checks: version counters (contract="check") and byte checksums (contract="strict")."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tapesac
+
+
+def _blocks(n: int = 2) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(n))
+
+
+def _forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for b in blocks:
+        x = x + b(x)
+    return x.square().sum()
+
+
+def test_inplace_change_of_a_parameter_before_backward_is_rejected_under_check() -> None:
+    blocks = _blocks()
+    sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="check")
+    x = torch.randn(4, 16)
+    with pytest.raises(tapesac.ReplayContractError, match="modified in place"):
+        with sac.step():
+            loss = _forward(blocks, x)
+            with torch.no_grad():
+                blocks[0][0].weight.add_(1.0)  # the replay of block 0 reads this weight
+            loss.backward()
+    # Nothing is left behind: the next step is exact.
+    blocks.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(blocks)
+    ref_loss = _forward(ref, x)
+    ref_loss.backward()
+    with sac.step():
+        loss = _forward(blocks, x)
+        loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert sac.last_step.ops_replayed > 0
+
+
+def test_change_that_bypasses_version_counters_is_caught_only_by_strict() -> None:
+    x = torch.randn(4, 16)
+    # .data writes do not bump the version counter: "check" cannot see them, the byte checksum can.
+    for contract, raises in (("check", False), ("strict", True)):
+        blocks = _blocks()
+        sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract=contract)
+        with sac.step():
+            loss = _forward(blocks, x)
+            blocks[0][0].weight.data.add_(1.0)
+            if raises:
+                with pytest.raises(tapesac.ReplayContractError, match="diverged"):
+                    loss.backward()
+            else:
+                loss.backward()
+        assert sac.last_step.ops_replayed > 0
+
+
+def test_strict_passes_and_is_exact_on_an_unchanged_model() -> None:
+    blocks = _blocks(3)
+    ref = copy.deepcopy(blocks)
+    x = torch.randn(4, 16)
+    ref_loss = _forward(ref, x)
+    ref_loss.backward()
+    sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="strict")
+    with sac.step():
+        loss = _forward(blocks, x)
+        loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert sac.last_step.dropped_tensors > 0 and sac.last_step.ops_replayed > 0

@@ -8,9 +8,12 @@
 #     qwen3_layer  one tiny Qwen3 decoder layer (tapesac.models.tiny_qwen3, H128) on a short sequence.
 # - Variants, forward only, autograd on (parameters require grad), each on its own deep copy of the module:
 #     plain        no tapesac;
+#     rec_only     inside tapesac.record_ops(...): the C++ recorder alone (no saved-tensor hooks, nothing
+#                  dropped; the op names are also turned into a Python list once per forward);
 #     sac_none     inside `with sac.step()` under TapeSAC(policy="none"): the recorder runs and the pack hooks
 #                  keep everything; the step exits without backward (the API allows it);
 #     sac_full     the same with policy="full" (records and also drops, then frees at step exit);
+#     py_hooks     identity Python saved-tensor hooks: the floor of any pack/unpack hook called from autograd;
 #     py_mode      a do-nothing Python TorchDispatchMode: the cost tapesac avoids by recording in C++.
 # - Validation before timing: every variant's output is bitwise equal to plain's.
 # - Timing: warm-up rounds, then interleaved rounds (the variant order rotates each round); one sample = the
@@ -125,6 +128,10 @@ class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def make_variants(tapesac, mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, dict[str, Any]]:
     """name -> {"fn": zero-arg callable running one forward, "sac": TapeSAC or None, "mod": module}."""
     out: dict[str, dict[str, Any]] = {}
@@ -141,6 +148,21 @@ def make_variants(tapesac, mod: nn.Module, x: torch.Tensor, names: list[str]) ->
                 return y
 
             out[name] = {"fn": fn, "sac": sac, "mod": m}
+        elif name == "rec_only":
+
+            def fn(m=m):
+                out = []
+                tapesac.record_ops(lambda: out.append(m(x)))
+                return out[0]
+
+            out[name] = {"fn": fn, "sac": None, "mod": m}
+        elif name == "py_hooks":
+
+            def fn(m=m):
+                with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                    return m(x)
+
+            out[name] = {"fn": fn, "sac": None, "mod": m}
         elif name == "py_mode":
             mode = _CountingMode()
 
@@ -150,7 +172,8 @@ def make_variants(tapesac, mod: nn.Module, x: torch.Tensor, names: list[str]) ->
 
             out[name] = {"fn": fn, "sac": None, "mod": m, "mode": mode}
         else:
-            raise SystemExit(f"unknown variant {name!r}; expected plain, sac_none, sac_full, py_mode")
+            raise SystemExit(f"unknown variant {name!r}; expected plain, rec_only, sac_none, sac_full, py_hooks, "
+                             "py_mode")
     return out
 
 
@@ -206,6 +229,7 @@ def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, An
         st = variants["sac_none"]["sac"].last_step
         ops["sac_ops_recorded"] = int(st.ops_recorded)
         ops["sac_block_calls"] = int(st.block_calls)
+        ops["sac_saved_tensors"] = int(st.saved_tensors)
     try:
         ops["record_ops"] = len(tapesac.record_ops(variants["plain"]["mod"], x))
     except Exception as e:
@@ -312,7 +336,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for res in results:
         ops = res["ops"]
         print(f"\n{res['workload']}: {res['description']}; ops/forward: tapesac recorded "
-              f"{ops.get('sac_ops_recorded', '?')}, record_ops {ops.get('record_ops', '?')}, "
+              f"{ops.get('sac_ops_recorded', '?')} (saving {ops.get('sac_saved_tensors', '?')} tensors), record_ops "
+              f"{ops.get('record_ops', '?')}, "
               f"python dispatch mode {ops.get('py_mode_ops', '?')}; {res['inner']} forwards per sample")
         print(f"  {'variant':<10} {'us/forward':>11} {'IQR':>9} {'x plain':>8} {'overhead ns/op':>15} {'IQR':>9} "
               f"{'ops':>6} {'empty step us':>14} {'net ns/op':>10}")
@@ -334,8 +359,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Per-op cost of tapesac's tape recording (CPU, forward only).")
     p.add_argument("--workloads", default="smallops,qwen3_layer", help="comma-separated: smallops,qwen3_layer")
-    p.add_argument("--variants", default="plain,sac_none,sac_full,py_mode",
-                   help="comma-separated, plain first: plain,sac_none,sac_full,py_mode")
+    p.add_argument("--variants", default="plain,rec_only,sac_none,sac_full,py_hooks,py_mode",
+                   help="comma-separated, plain first: plain,rec_only,sac_none,sac_full,py_hooks,py_mode")
     p.add_argument("--ops", type=int, default=200, help="smallops: ops per forward (default 200)")
     p.add_argument("--size", type=int, default=8, help="smallops: tensor side (default 8)")
     p.add_argument("--hidden", type=int, default=128, help="qwen3_layer: width (default 128)")
@@ -354,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.variants or args.variants[0] != "plain":
         args.variants = ["plain"] + [v for v in args.variants if v != "plain"]
     if args.smoke:
-        args.rounds, args.warmup, args.min_sample_ms = min(args.rounds, 5), min(args.warmup, 1), min(args.min_sample_ms, 5.0)
+        args.rounds, args.warmup, args.min_sample_ms = min(args.rounds, 5), min(args.warmup, 1), min(args.min_sample_ms, 3.0)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 

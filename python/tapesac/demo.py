@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden // 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--val-batches", type=int, default=8, help="validation batches from persuasion (default 8)")
     p.add_argument("--corpus", default=None, help="Austen directory (default: <repo>/../shared/data/austen)")
     p.add_argument("--no-sac", action="store_true", help="train without tapesac (baseline step times)")
@@ -188,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import tapesac
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     data = _load_data(args)
     model = tiny_qwen3(
@@ -200,6 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_position_embeddings=max(1024, args.seq),
         seed=args.seed,
     )
+    # The reference copy is taken before TapeSAC sees the model, so nothing of tapesac can be copied along.
+    ref_model = copy.deepcopy(model) if not (args.no_sac or args.no_check) else None
+    try:
+        sac = None if args.no_sac else tapesac.TapeSAC(model, blocks="model.layers.*", policy=policy)
+    except tapesac.ConfigError as e:
+        print(f"tapesac demo: {e}", file=sys.stderr)
+        return 2
     env = _environment()
     policy_text = "off (--no-sac)" if args.no_sac else (
         ",".join(sorted(policy)) if isinstance(policy, frozenset) else str(policy))
@@ -215,9 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     val_before = _validate(model, val_batches)
     print(f"validation before training: loss {val_before['loss']:.4f}, perplexity {val_before['perplexity']:.2f}")
 
-    # The reference copy is taken before TapeSAC sees the model, so nothing of tapesac can be copied along.
-    ref_model = copy.deepcopy(model) if not (args.no_sac or args.no_check) else None
-    sac = None if args.no_sac else tapesac.TapeSAC(model, blocks="model.layers.*", policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     batches = iter(data)
     records: list[dict[str, Any]] = []

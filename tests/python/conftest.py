@@ -58,13 +58,6 @@ def _deterministic():
     torch.use_deterministic_algorithms(was)
 
 
-@pytest.fixture
-def tapesac_mod():
-    import tapesac
-
-    return tapesac
-
-
 def device_param(*marks_for_gpu):
     """`@pytest.mark.parametrize("device", device_param())`: cpu always, cuda marked gpu."""
     return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, *marks_for_gpu])]
@@ -122,6 +115,15 @@ def assert_same_grads(model: nn.Module, ref: nn.Module, what: str = "") -> int:
 def assert_same_params(model: nn.Module, ref: nn.Module, what: str = "") -> None:
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_same_tensor(f"{what}parameter {name}", p.detach(), q.detach())
+
+
+def assert_same_buffers(model: nn.Module, ref: nn.Module, what: str = "") -> None:
+    """Buffers (BatchNorm running stats, num_batches_tracked, ...) are written exactly as often as in the reference:
+    replay must never re-apply a mutation of external state."""
+    got, want = dict(model.named_buffers()), dict(ref.named_buffers())
+    assert list(got) == list(want), f"buffer names differ: {sorted(set(got) ^ set(want))}"
+    for name, b in got.items():
+        assert_same_tensor(f"{what}buffer {name}", b, want[name])
 
 
 def assert_rng_equal(device: str, got: dict, want: dict) -> None:
@@ -227,6 +229,7 @@ def reference_check(make_model: Callable[[], nn.Module], make_inputs: Callable[[
             what = f"step {step + 1}: "
             assert_same_tensor(f"{what}loss", loss.detach(), ref_loss.detach())
             defined = assert_same_grads(model, ref, what)
+            assert_same_buffers(model, ref, what)
             assert defined > 0, "no parameter received a gradient: the test checks nothing"
             for i, (t, r) in enumerate(zip(_tensors(inputs), _tensors(ref_inputs))):
                 if r.requires_grad:
@@ -249,8 +252,3 @@ def reference_check(make_model: Callable[[], nn.Module], make_inputs: Callable[[
         return RefResult(sac, model, ref, loss, ref_loss, all_stats[-1], all_stats)
     finally:
         sac.close()
-
-
-@pytest.fixture
-def ref_check():
-    return reference_check

@@ -87,6 +87,44 @@ class DropoutBlock(nn.Module):
         return self.fc2(h)
 
 
+class RandomOpsBlock(nn.Module):
+    """Many kinds of random ops (tagged nondeterministic_seeded): bernoulli, randn_like, exponential_, multinomial,
+    and nn.RReLU, whose rrelu_with_noise fills its `noise` argument in place."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+        self.rrelu = nn.RReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.fc1(x)
+        m = torch.bernoulli(torch.full_like(h, 0.7))  # saved by the mul below
+        e = torch.empty_like(h).exponential_()
+        h = (h * m + 0.1 * torch.randn_like(h)) * e
+        h = self.rrelu(h)  # random slopes for negatives; the noise is saved for backward
+        probs = torch.softmax(h.detach().reshape(b * t, d), dim=-1)
+        idx = torch.multinomial(probs, 2)  # [B*T, 2], saved by gather's backward
+        picked = torch.gather(h.reshape(b * t, d), 1, idx).sum(-1).reshape(b, t, 1)
+        return self.fc2(torch.tanh(h)) + picked
+
+
+class BatchNormBlock(nn.Module):
+    """BatchNorm in training mode: running stats and num_batches_tracked must advance exactly once per call."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.bn(self.fc1(x).reshape(b * t, d)).reshape(b, t, d)
+        return self.fc2(F.gelu(h))
+
+
 class InplaceBlock(nn.Module):
     """In-place ops on intermediates: relu_, add_, mul_ (its autograd saves a clone of the original) and add_ on a
     narrow() view of an intermediate."""
@@ -321,7 +359,7 @@ class UnusedOutputModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.blocks[0](x)
-        _unused = self.blocks[1](h)
+        self.blocks[1](h)  # output discarded
         main, _aux = self.blocks[2](h)
         return self.blocks[3](main)
 

@@ -124,6 +124,13 @@ def test_unknown_backend_or_contract(tapesac, kw, accepted) -> None:
     mentions(str(ei.value), next(iter(kw.values())), *accepted)
 
 
+@pytest.mark.parametrize("kw", [dict(backend="auto"), dict(backend="eager"), dict(contract="check"),
+                                dict(contract="strict"), dict(contract="off")], ids=lambda kw: "-".join(map(str, kw.values())))
+def test_accepted_backend_and_contract_values(tapesac, kw) -> None:
+    """The values the API implements now are accepted and give an exact step."""
+    reference_check(stack, lambda: (x_in(),), "full", "blocks.*", sac_kwargs=kw)
+
+
 def test_nested_step_same_instance(tapesac) -> None:
     model = stack()
     ref = copy.deepcopy(model)
@@ -415,3 +422,68 @@ def test_report_and_last_step(tapesac) -> None:
         assert isinstance(rep.pretty(), str) and rep.pretty()
     finally:
         sac.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Replay contract: in-place modification, between forward and backward, of a tensor that replay reads
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _TwoBlocks(nn.Module):
+    """Exposes the tensor between the blocks, so a test can modify a block input after the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([M.MLPBlock(), M.MLPBlock()])
+        self.between = None
+
+    def forward(self, x):
+        self.between = self.blocks[0](x)
+        return self.blocks[1](self.between)
+
+
+def _mutate_param(model: _TwoBlocks, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        model.blocks[1].fc1.weight.mul_(1.5)  # saved (as a transposed view) by blocks.1 fc1
+
+
+def _mutate_block_input(model: _TwoBlocks, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        model.between.mul_(1.5)
+
+
+def _mutate_model_input(model: _TwoBlocks, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        x.mul_(1.5)
+
+
+@pytest.mark.parametrize("mutate", [_mutate_param, _mutate_block_input, _mutate_model_input],
+                         ids=["parameter", "block_input", "model_input"])
+def test_inplace_modification_before_backward_is_detected(tapesac, mutate) -> None:
+    """Without tapesac autograd's version counter refuses the backward; with tapesac "full", the dropped
+    values would be replayed from the modified tensor and give wrong gradients, so the contract must refuse."""
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    ref = copy.deepcopy(model)
+
+    xr = torch.randn(2 * M.T, M.D)
+    ref_loss = default_loss(ref, (xr,))
+    mutate(ref, xr)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref_loss.backward()  # the reference: plain autograd detects it
+
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        x = xr.clone()
+        with pytest.raises(tapesac.ReplayContractError) as ei:
+            with sac.step():
+                loss = default_loss(model, (x,))
+                mutate(model, x)
+                loss.backward()
+        msg = str(ei.value)
+        assert any(w in msg.lower() for w in ("in place", "in-place", "inplace", "modified")), msg
+        del loss
+        assert_no_saved_tensor_hooks()
+    finally:
+        sac.close()
+    assert_clean_step_works(tapesac)

@@ -176,3 +176,39 @@ def test_kept_and_dropped_bytes() -> None:
         assert b.dropped_bytes >= INTERMEDIATE_BYTES, b
     # The same tensors go through the pack hook under both policies.
     assert full.saved_tensors == none.saved_tensors
+
+
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_micro_batches_release_memory_after_each_backward(policy: str) -> None:
+    """Gradient accumulation inside one step: after a micro-batch's backward (retain_graph=False) its graph is
+    gone, so tapesac must not keep that micro-batch's block inputs or intermediates until the step ends, or the
+    peak grows with the number of micro-batches (without tapesac it does not)."""
+    import tapesac
+
+    model = weak_stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    try:
+        with sac.step():
+            for k in range(3):
+                clear_refs(model)
+                x = make_x()
+                loss_of(model(x)).backward()
+                del x
+                assert alive(model, "fc1_out") == [] and alive(model, "gelu_out") == [], (
+                    f"micro-batch {k}: intermediates still held after its backward: "
+                    f"{alive(model, 'fc1_out') + alive(model, 'gelu_out')}")
+                assert alive(model, "input") == [], (
+                    f"micro-batch {k}: block inputs still held after its backward: {alive(model, 'input')}")
+    finally:
+        sac.close()
+
+
+def test_micro_batches_release_memory_without_tapesac() -> None:
+    """Positive control for the test above."""
+    model = weak_stack()
+    for _ in range(2):
+        clear_refs(model)
+        x = make_x()
+        loss_of(model(x)).backward()
+        del x
+        assert alive(model, "fc1_out") == [] and alive(model, "gelu_out") == [] and alive(model, "input") == []

@@ -26,8 +26,9 @@ POLICIES = [
     pytest.param(MATMULS, id="save_matmuls"),
     pytest.param("none", id="none"),
 ]
-RANDOM_OPS = {"aten::native_dropout", "aten::rand_like", "aten::uniform_", "aten::bernoulli_.float",
-              "aten::bernoulli.p", "aten::bernoulli_.Tensor", "aten::bernoulli"}
+RANDOM_OPS = {"aten::native_dropout", "aten::rand_like", "aten::randn_like", "aten::uniform_", "aten::normal_",
+              "aten::bernoulli_.float", "aten::bernoulli.p", "aten::bernoulli_.Tensor", "aten::bernoulli",
+              "aten::exponential_", "aten::multinomial", "aten::rrelu_with_noise"}
 
 
 def x_input(device: str = "cpu", d: int = M.D) -> Callable[[], tuple]:
@@ -76,6 +77,10 @@ def scenario(name: str, device: str = "cpu") -> Scenario:
         return Scenario(M.shared_param_stack, x, "blocks.*", 3)
     if name == "wasteful":
         return Scenario(lambda: M.Stack([M.WastefulBlock(), M.WastefulBlock()]), x, "blocks.*", 2)
+    if name == "random_ops":
+        return Scenario(lambda: M.Stack([M.RandomOpsBlock(), M.RandomOpsBlock()]), x, "blocks.*", 2)
+    if name == "batchnorm":
+        return Scenario(lambda: M.Stack([M.BatchNormBlock(), M.BatchNormBlock()]), x, "blocks.*", 2)
     if name == "hf_llama":
         return Scenario(lambda: M.hf_llama(3), ids, "model.layers.*", 3, M.hf_loss)
     if name == "hf_qwen3":
@@ -90,8 +95,8 @@ def scenario(name: str, device: str = "cpu") -> Scenario:
     raise KeyError(name)
 
 
-SCENARIOS = ["mlp", "attention", "dropout", "inplace", "views", "multi_output", "kwargs", "no_grad_region",
-             "unused_output", "shared_param", "wasteful", "hf_llama", "hf_qwen3", "hf_qwen3_attention_dropout",
+SCENARIOS = ["mlp", "attention", "dropout", "random_ops", "batchnorm", "inplace", "views", "multi_output", "kwargs",
+             "no_grad_region", "unused_output", "shared_param", "wasteful", "hf_llama", "hf_qwen3", "hf_qwen3_attention_dropout",
              "hf_qwen3_moe", "hf_qwen3_moe_eager_experts"]
 
 
@@ -100,7 +105,7 @@ SCENARIOS = ["mlp", "attention", "dropout", "inplace", "views", "multi_output", 
 def test_reference(name: str, policy: Any) -> None:
     s = scenario(name)
     res = reference_check(s.make_model, s.make_inputs, policy, s.blocks, s.loss_fn, block_calls=s.block_calls)
-    if policy == "full" and name in ("dropout", "hf_qwen3_attention_dropout"):
+    if policy == "full" and name in ("dropout", "random_ops", "hf_qwen3_attention_dropout"):
         replayed_random = RANDOM_OPS & set(res.stats.ops_replayed_by_name)
         assert replayed_random, (
             f"policy 'full' replayed no random op (replayed: {sorted(res.stats.ops_replayed_by_name)}): the RNG "
@@ -198,7 +203,7 @@ def test_micro_batches_in_one_step(name: str, policy: Any) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", ["mlp", "attention", "dropout", "inplace", "hf_qwen3", "hf_qwen3_moe"])
+@pytest.mark.parametrize("name", ["mlp", "attention", "dropout", "batchnorm", "inplace", "hf_qwen3", "hf_qwen3_moe"])
 def test_three_steps_with_sgd(name: str, policy: Any) -> None:
     """State carries over between steps: after each SGD step, parameters stay bitwise equal and the next step works."""
     s = scenario(name)
@@ -265,3 +270,23 @@ def test_reference_random_compositions(kinds: list[str], policy: str, input_grad
     reference_check(lambda: M.Stack([BLOCK_PALETTE[k]() for k in kinds] + [M.MLPBlock()]), inputs,
                     POLICY_PALETTE[policy], "blocks.*", block_calls=len(kinds) + 1,
                     expect_drop=must_drop if policy != "none" else None)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["attention", "hf_qwen3", "hf_qwen3_moe"])
+def test_dynamic_shapes_across_steps(name: str, policy: Any) -> None:
+    """Batch and sequence length change from step to step: no plan or tape from an earlier shape is reused."""
+    s = scenario(name)
+    shapes = [(2, 16), (1, 8), (3, 12), (2, 16)]
+    calls = []
+
+    def inputs():
+        b, t = shapes[len(calls) // 2]  # called once for the reference and once for tapesac per step
+        calls.append((b, t))
+        if name.startswith("hf_"):
+            return torch.randint(0, M.HF_VOCAB, (b, t))
+        return (torch.randn(b, t, M.D, requires_grad=True),)
+
+    reference_check(s.make_model, inputs, policy, s.blocks, s.loss_fn, steps=len(shapes),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.05), block_calls=s.block_calls)
+    assert calls == [sh for sh in shapes for _ in range(2)]

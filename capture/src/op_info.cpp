@@ -51,6 +51,9 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
     const auto* alias = args[i].alias_info();
     info->writes_arg[i] = alias != nullptr && alias->isWrite();
     const std::string& n = args[i].name();
+    // native_batch_norm and the cudnn/miopen variants update their running statistics in place without an
+    // alias annotation in the schema: treat them as written, so that replay never applies the update twice.
+    if (n == "running_mean" || n == "running_var") info->writes_arg[i] = true;
     if (n == "p" || n == "dropout_p") info->p_arg = static_cast<int>(i);
     if (n == "train") info->train_arg = static_cast<int>(i);
     if (n == "generator") info->generator_arg = static_cast<int>(i);

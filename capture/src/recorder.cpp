@@ -133,9 +133,26 @@ void Recorder::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*
 
 const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
   if (busy_) return nullptr;
-  // An op called from inside another op's kernel runs with the autograd keys excluded: autograd does not see it.
+  // Note [Which calls autograd sees]. The frame just pushed for this call is frames_.back(); the parent is the
+  // innermost enclosing call we track (recorded or composite).
+  //  * An op called from inside another op's kernel runs with the autograd keys excluded: autograd does not see
+  //    it. A call with no enclosing tracked op is a top-level call from Python: torch's Python bindings of
+  //    factory functions (torch.ones, torch.rand_like, ...) exclude the autograd keys themselves, yet autograd
+  //    (and a TorchDispatchMode) sees those ops, so they are recorded.
+  //  * An op without tensor arguments (a factory) never reaches an autograd kernel: whatever its kernel calls is
+  //    below autograd even though the autograd keys are not excluded.
+  const Frame* parent = nullptr;
+  for (size_t i = frames_.size() - 1; i-- > 0;) {
+    if (frames_[i].info != nullptr) {
+      parent = &frames_[i];
+      break;
+    }
+  }
   const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
-  if (tls.excluded_.has_any(c10::autograd_dispatch_keyset)) return nullptr;
+  if (parent != nullptr) {
+    if (tls.excluded_.has_any(c10::autograd_dispatch_keyset)) return nullptr;
+    if (!parent->composite && !parent->has_tensor_args) return nullptr;
+  }
   const char* name = fn.name();
   const OpInfo* info = nullptr;
   auto it = info_by_name_.find(name);
@@ -148,9 +165,15 @@ const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
   }
   if (info == nullptr) return nullptr;
   bool cuda = false;
+  has_tensor_args_ = false;
   for (const c10::IValue& v : fn.inputs()) {
-    if (v.isTensor()) {
-      cuda = v.toTensor().defined() && v.toTensor().is_cuda();
+    if (v.isTensor() && v.toTensor().defined()) {
+      cuda = v.toTensor().is_cuda();
+      has_tensor_args_ = true;
+      break;
+    }
+    if (v.isTensorList() && v.toTensorList().size() > 0) {
+      has_tensor_args_ = true;
       break;
     }
   }
@@ -269,6 +292,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
     f.info = should_record(fn);
     if (f.info == nullptr) return;
     f.composite = composite_;
+    f.has_tensor_args = has_tensor_args_;
     f.tape_size = tape_.next_op_index();
     busy_ = true;
     const auto inputs = fn.inputs();

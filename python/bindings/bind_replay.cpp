@@ -18,11 +18,6 @@ using replay::PolicyKind;
 using replay::Session;
 using replay::SessionOptions;
 
-/// What pack returns for a tensor saved inside a block: the block call and the slot.
-struct SavedHandle {
-  std::shared_ptr<BlockCall> block;
-  int32_t slot = -1;
-};
 
 py::dict stats_to_dict(const replay::BlockStats& s) {
   py::dict d;
@@ -45,8 +40,9 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
 }  // namespace
 
 void bind_replay(py::module_& m) {
-  py::class_<SavedHandle>(m, "SavedHandle", "A tensor saved for backward inside a tapesac block (opaque).")
-      .def_property_readonly("slot", [](const SavedHandle& h) { return h.slot; });
+  py::class_<replay::SavedSlot, std::shared_ptr<replay::SavedSlot>>(
+      m, "SavedSlot", "A tensor saved for backward inside a tapesac block (opaque; freed with its graph node).")
+      .def_property_readonly("slot", &replay::SavedSlot::slot);
 
   py::class_<Session>(m, "Session")
       .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
@@ -91,16 +87,16 @@ void bind_replay(py::module_& m) {
           [](Session& s, const at::Tensor& t) -> py::object {
             auto block = s.current_block();
             if (block == nullptr) return py::cast(capture::detached_alias(t));
-            return py::cast(SavedHandle{block, block->pack(t)});
+            return py::cast(std::make_shared<replay::SavedSlot>(block, block->pack(t)));
           },
           py::arg("tensor"))
       .def(
           "unpack",
           [](Session& /*s*/, const py::object& obj) -> at::Tensor {
             if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
-            const SavedHandle& h = obj.cast<const SavedHandle&>();
+            const auto& h = obj.cast<const replay::SavedSlot&>();
             py::gil_scoped_release no_gil;  // replay may be long; Python dispatch modes re-take the GIL
-            return h.block->unpack(h.slot);
+            return h.unpack();
           },
           py::arg("packed"))
       .def("last_stats",

@@ -428,8 +428,9 @@ class TapeSAC:
         if unmatched:
             self._warned_unmatched = True
             warnings.warn(
-                f"tapesac: policy entries {unmatched!r} matched no op recorded in the blocks' forward; check the "
-                f"names (ops are named as autograd sees them, e.g. 'aten::mm', 'aten::addmm', 'aten::bmm')",
+                f"tapesac: policy entries {unmatched!r} matched no op whose output a block saved for backward, so "
+                f"they keep nothing; check the names (ops are named as autograd sees them, e.g. 'aten::mm', "
+                f"'aten::addmm', 'aten::bmm'; tapesac.record_ops(block, *inputs) lists a block's ops)",
                 stacklevel=3,
             )
 

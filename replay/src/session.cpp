@@ -100,7 +100,34 @@ int32_t BlockCall::pack(const at::Tensor& t) {
     pending_.push_back(idx);
   }
   slots_.push_back(std::move(s));
+  ++alive_slots_;
   return idx;
+}
+
+void BlockCall::release(int32_t slot) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (step_closed_ || slot < 0 || static_cast<size_t>(slot) >= slots_.size()) return;
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  if (s.released) return;
+  s.released = true;
+  s.tensor.reset();
+  if (s.dropped) {
+    const ValueId v = s.value;
+    --handles_[v];
+    if (s.last_round != round_ && --remaining_[v] <= 0) cache_.erase(v);
+  }
+  if (--alive_slots_ == 0 && forward_closed_) release_all();
+}
+
+void BlockCall::release_all() noexcept {
+  // No handle is left: nothing of this block call can be unpacked any more.
+  cache_.clear();
+  live_.clear();
+  live_versions_.clear();
+  available_.clear();
+  remaining_.clear();
+  handles_.clear();
+  recorder_.clear();
 }
 
 bool BlockCall::keep_by_policy(ValueId v, int32_t state) {
@@ -148,7 +175,7 @@ void BlockCall::close_forward() noexcept {
   std::vector<ValueId> candidates;
   bool policy_failed = false;
   for (Slot& s : slots_) {
-    if (s.value < 0) continue;
+    if (s.value < 0 || s.released) continue;
     const auto v = static_cast<size_t>(s.value);
     state_of_value[v] = s.state;
     if (decision[v] >= 0) continue;
@@ -190,7 +217,7 @@ void BlockCall::close_forward() noexcept {
   std::unordered_set<const void*> kept_storages, opaque_storages, dropped_storages;
   std::vector<Read> targets;
   for (Slot& s : slots_) {
-    if (s.value >= 0 && decision[static_cast<size_t>(s.value)] == 0) continue;
+    if (s.released || (s.value >= 0 && decision[static_cast<size_t>(s.value)] == 0)) continue;
     const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
     const bool counted = key != nullptr && param_storages_->count(key) == 0;
     ++st.kept;
@@ -201,7 +228,7 @@ void BlockCall::close_forward() noexcept {
     if (counted && kept_storages.insert(key).second) st.kept_bytes += storage_bytes(s.tensor);
   }
   for (Slot& s : slots_) {
-    if (s.value < 0 || decision[static_cast<size_t>(s.value)] != 0) continue;
+    if (s.released || s.value < 0 || decision[static_cast<size_t>(s.value)] != 0) continue;
     ++st.dropped;
     s.dropped = true;
     const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
@@ -240,6 +267,7 @@ void BlockCall::close_forward() noexcept {
   }
   value_state_.clear();
   for (const Read& r : targets) value_state_[r.value] = r.state;
+  if (alive_slots_ == 0) release_all();
 }
 
 void BlockCall::check_version(const Slot& s, int32_t slot) const {
@@ -278,6 +306,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
                 "backward of one step both belong inside the `with` block).");
   TAPESAC_CHECK(slot >= 0 && static_cast<size_t>(slot) < slots_.size(), kGeneric, "tapesac: unknown saved slot ", slot);
   const Slot& s = slots_[static_cast<size_t>(slot)];
+  TAPESAC_INTERNAL_ASSERT(!s.released, "slot ", slot, " of block ", name_, " unpacked after its handle was freed");
   check_version(s, slot);
   if (!s.dropped) {
     TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
@@ -286,7 +315,10 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   const ValueId v = s.value;
   auto it = cache_.find(v);
   if (it == cache_.end()) {
-    if (remaining_[v] <= 0) remaining_ = handles_;  // a new backward over the same graph (retain_graph=True)
+    if (remaining_[v] <= 0) {  // a new backward over the same graph (retain_graph=True)
+      ++round_;
+      remaining_ = handles_;
+    }
     std::vector<Read> targets;
     for (const auto& [value, count] : remaining_) {
       if (count > 0 && !cache_.count(value)) targets.push_back(Read{value, value_state_.at(value)});
@@ -317,6 +349,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
   }
   at::Tensor t = it->second;
+  slots_[static_cast<size_t>(slot)].last_round = round_;
   if (--remaining_[v] <= 0) cache_.erase(it);
   return t;
 }

@@ -89,6 +89,7 @@ class Recorder {
     c10::intrusive_ptr<c10::TensorImpl> generator_state;
     bool non_replayable = false;
     bool composite = false;  // statically decomposes; see Note [Composite ops that run themselves]
+    bool has_tensor_args = false;
     OpIndex tape_size = 0;   // tape length when the op started
     std::chrono::steady_clock::time_point start;
   };
@@ -124,7 +125,8 @@ class Recorder {
   int open_recorded_ = 0;
   // Set while the recorder itself runs code that might dispatch (generator state, aliases): never recorded.
   bool busy_ = false;
-  bool composite_ = false;  // out-parameter of should_record()
+  bool composite_ = false;  // out-parameters of should_record()
+  bool has_tensor_args_ = false;
   std::string error_;
   // Per-thread cache from RecordFunction::name() (stable per schema) to OpInfo.
   std::unordered_map<const char*, const OpInfo*> info_by_name_;

@@ -72,6 +72,9 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   int32_t pack(const at::Tensor& t);
   /// The tensor saved in `slot`, replaying its producers on first need.
   at::Tensor unpack(int32_t slot);
+  /// The handle of `slot` is gone (autograd freed the node that saved it): its tensor is no longer needed. When
+  /// the last handle goes, everything the block call holds is released. Never throws.
+  void release(int32_t slot) noexcept;
 
   BlockStats stats() const;
   const capture::Tape& tape() const { return recorder_.tape(); }
@@ -90,7 +93,11 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
     bool dropped = false;
     c10::VariableVersion version{c10::VariableVersion::DISABLED};
     uint32_t saved_version = 0;
+    bool released = false;
+    int64_t last_round = -1;  // the unpack round in which this slot was last unpacked
   };
+
+  void release_all() noexcept;
 
   void resolve_pending(bool final);
   bool keep_by_policy(capture::ValueId v, int32_t state);
@@ -113,13 +120,32 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   std::vector<uint32_t> live_versions_;
   std::unordered_map<capture::ValueId, int32_t> value_state_;
   std::unordered_map<capture::ValueId, uint64_t> checksums_;
-  // Dropped values: handles not yet unpacked in this round, and replayed tensors waiting for their unpacks.
+  // Dropped values: live handles, handles not yet unpacked in this round (a round is one backward over the
+  // graph; retain_graph=True starts another), and replayed tensors waiting for their unpacks.
   std::unordered_map<capture::ValueId, int32_t> handles_;
   std::unordered_map<capture::ValueId, int32_t> remaining_;
+  int64_t round_ = 0;
+  int64_t alive_slots_ = 0;
   std::unordered_map<capture::ValueId, at::Tensor> cache_;
   ReplayStats replay_stats_;
   int64_t replays_ = 0;
   BlockStats closed_stats_;
+};
+
+/// What pack hands to autograd for one saved tensor: unpack() serves it; destruction releases it (autograd
+/// destroys it with the graph node that saved it). Shared by the Python handle object; not copyable.
+class SavedSlot {
+ public:
+  SavedSlot(std::shared_ptr<BlockCall> block, int32_t slot) : block_(std::move(block)), slot_(slot) {}
+  ~SavedSlot() { block_->release(slot_); }
+  SavedSlot(const SavedSlot&) = delete;
+  SavedSlot& operator=(const SavedSlot&) = delete;
+  at::Tensor unpack() const { return block_->unpack(slot_); }
+  int32_t slot() const { return slot_; }
+
+ private:
+  std::shared_ptr<BlockCall> block_;
+  int32_t slot_;
 };
 
 /// The runtime state of one TapeSAC instance across steps.

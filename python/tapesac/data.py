@@ -152,6 +152,7 @@ class TextData:
         seed: int = 0,
         name: str = "text",
         source: str = "",
+        val_label: str = "validation text",
     ) -> None:
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}")
@@ -171,6 +172,7 @@ class TextData:
         self.seed = seed
         self.name = name
         self.source = source
+        self.val_label = val_label
         self.tokenizer = ByteTokenizer()
         self.vocab_size = ByteTokenizer.vocab_size
         # Valid window starts per document: 0..len-seq_len; a global start index maps to (doc, offset).
@@ -253,6 +255,7 @@ class AustenData(TextData):
             seed=seed,
             name="austen",
             source=str(found),
+            val_label="persuasion",
         )
 
 
@@ -285,4 +288,5 @@ def license_corpus(
         seed=seed,
         name="common-licenses",
         source=str(root),
+        val_label=LICENSES_VAL,
     )

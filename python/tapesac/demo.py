@@ -3,8 +3,9 @@
 # Contract:
 # - `main(argv=None) -> int` (also `python -m tapesac demo ...` and `python -m tapesac.demo ...`): builds
 #   tiny_qwen3 (random weights, byte vocabulary 259) and trains it with AdamW on AustenData (five books;
-#   persuasion.txt held out). When the Austen corpus is missing it says so and trains on Debian's licence
-#   texts (tapesac.data.license_corpus) instead; when that is missing too it fails with both messages.
+#   persuasion.txt held out). When the Austen corpus is not found (and no --corpus was given) it says so
+#   and trains on Debian's licence texts (tapesac.data.license_corpus) instead; when that is missing too it
+#   fails with both messages.
 # - Every training step runs as
 #       with sac.step(): loss = model(input_ids=x, labels=x).loss; loss.backward()
 #   under tapesac.TapeSAC(model, blocks="model.layers.*", policy=--policy); the optimizer steps outside.
@@ -87,6 +88,8 @@ def _load_data(args: argparse.Namespace) -> TextData:
     try:
         return AustenData(args.corpus, seq_len=args.seq, batch_size=args.batch, seed=args.seed)
     except CorpusNotFoundError as austen_err:
+        if args.corpus is not None:
+            raise  # an explicit --corpus that is wrong is an error, not a reason to train on something else
         print(f"warning: {austen_err}")
         try:
             data = license_corpus(seq_len=args.seq, batch_size=args.batch, seed=args.seed)
@@ -194,7 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    data = _load_data(args)
+    try:
+        data = _load_data(args)
+    except CorpusNotFoundError as e:
+        print(f"tapesac demo: {e}", file=sys.stderr)
+        return 2
     model = tiny_qwen3(
         vocab_size=data.vocab_size,
         hidden_size=args.hidden,
@@ -277,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         median_ms = statistics.median(times)
         first, last = records[0]["loss"], records[-1]["loss"]
         print(f"validation after training: loss {val_after['loss']:.4f}, perplexity {val_after['perplexity']:.2f}, "
-              f"{val_after['bits_per_byte']:.3f} bits/byte ({val_after['batches']} batches of persuasion)")
+              f"{val_after['bits_per_byte']:.3f} bits/byte ({val_after['batches']} batches of {data.val_label})")
         print(f"summary: median step {median_ms:.1f} ms over {len(times)} step(s)"
               f"{' (step 1 excluded: warm-up)' if len(records) > 1 else ''}; train loss {first:.4f} -> {last:.4f}; "
               f"val loss {val_before['loss']:.4f} -> {val_after['loss']:.4f}")

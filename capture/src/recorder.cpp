@@ -82,6 +82,17 @@ void Recorder::start() {
     throw std::runtime_error(
         "tapesac: a recorder is already active on this thread; blocks cannot record inside one another");
   }
+  const size_t n = std::max<size_t>(options_.expected_ops, 16);
+  tape_.reserve(n, 3 * n, 2 * n);
+  payloads_.reserve(n);
+  live_.reserve(3 * n);
+  frames_.reserve(32);
+  impl_value_.reserve(3 * n);
+  impl_refs_.reserve(3 * n);
+  storage_id_.reserve(2 * n);
+  storage_refs_.reserve(2 * n);
+  last_value_of_storage_.reserve(2 * n);
+  prev_value_same_storage_.reserve(3 * n);
   callback_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&Recorder::on_enter, &Recorder::on_exit)
                                              .needsInputs(true)
                                              .needsOutputs(true)
@@ -103,8 +114,8 @@ void Recorder::stop() noexcept {
   impl_refs_.clear();
   storage_id_.clear();
   storage_refs_.clear();
-  storage_values_.clear();
-  storage_values_.shrink_to_fit();
+  last_value_of_storage_.clear();
+  prev_value_same_storage_.clear();
 }
 
 void Recorder::clear() noexcept {
@@ -195,7 +206,7 @@ StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
   const StorageId s = tape_.add_storage(/*external=*/true, nbytes);
   storage_id_.emplace(key, s);
   if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
-  storage_values_.emplace_back();
+  last_value_of_storage_.push_back(-1);
   return s;
 }
 
@@ -206,9 +217,9 @@ ValueId Recorder::find_value(const at::Tensor& t) const {
   auto sit = storage_id_.find(static_cast<const c10::StorageImpl*>(storage_key(t)));
   if (sit == storage_id_.end()) return -1;
   const TensorMeta m = meta_of(t);
-  const auto& candidates = storage_values_[static_cast<size_t>(sit->second)];
-  for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
-    if (tape_.value(*c).meta.same_view(m)) return *c;
+  for (ValueId c = last_value_of_storage_[static_cast<size_t>(sit->second)]; c >= 0;
+       c = prev_value_same_storage_[static_cast<size_t>(c)]) {
+    if (tape_.value(c).meta.same_view(m)) return c;
   }
   return -1;
 }
@@ -220,8 +231,14 @@ ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
   if (impl_value_.emplace(t.unsafeGetTensorImpl(), v).second) {
     impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
   }
-  storage_values_[static_cast<size_t>(s)].push_back(v);
+  link_value(v, s);
   return v;
+}
+
+void Recorder::link_value(ValueId v, StorageId s) {
+  if (prev_value_same_storage_.size() <= static_cast<size_t>(v)) prev_value_same_storage_.resize(static_cast<size_t>(v) + 1, -1);
+  prev_value_same_storage_[static_cast<size_t>(v)] = last_value_of_storage_[static_cast<size_t>(s)];
+  last_value_of_storage_[static_cast<size_t>(s)] = v;
 }
 
 ValueId Recorder::value_for_input(const at::Tensor& t) {
@@ -397,7 +414,8 @@ void Recorder::exit(const at::RecordFunction& fn) {
       }
     }
     const size_t input_writes = rec.writes.size();
-    std::vector<StorageId> out_storages;
+    std::vector<StorageId>& out_storages = scratch_storages_;
+    out_storages.clear();
     bool any_new_storage = false;
     bool cuda = false;
     auto add_output = [&](const at::Tensor& t) {
@@ -415,7 +433,7 @@ void Recorder::exit(const at::RecordFunction& fn) {
         s = tape_.add_storage(/*external=*/false, nbytes);
         storage_id_.emplace(key, s);
         if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
-        storage_values_.emplace_back();
+        last_value_of_storage_.push_back(-1);
         rec.writes.push_back(s);
         any_new_storage = true;
         state = 1;
@@ -428,7 +446,7 @@ void Recorder::exit(const at::RecordFunction& fn) {
       auto [pos, inserted] = impl_value_.insert_or_assign(t.unsafeGetTensorImpl(), v);
       (void)pos;
       if (inserted) impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
-      storage_values_[static_cast<size_t>(s)].push_back(v);
+      link_value(v, s);
       rec.outputs.push_back(v);
       out_storages.push_back(s);
     };

@@ -12,7 +12,7 @@ import fnmatch
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -45,10 +45,9 @@ class Approx:
 
 
 @dataclass(frozen=True)
-class BlockStats:
-    """One block call of a step."""
+class _Counts:
+    """Counters shared by a block call and a whole step (a step's are the sums over its block calls)."""
 
-    name: str
     ops_recorded: int
     saved_tensors: int
     kept_tensors: int
@@ -60,27 +59,23 @@ class BlockStats:
     replays: int
     ops_replayed: int
     replay_ms: float
+
+
+@dataclass(frozen=True)
+class BlockStats(_Counts):
+    """One block call of a step."""
+
+    name: str
     capture_error: str = ""
 
 
 @dataclass(frozen=True)
-class StepStats:
+class StepStats(_Counts):
     """What one step did. Bytes count unique storages; parameters and buffers are not counted as kept."""
 
     step: int
     policy: str
     block_calls: int
-    ops_recorded: int
-    saved_tensors: int
-    kept_tensors: int
-    dropped_tensors: int
-    opaque_tensors: int
-    kept_bytes: int
-    dropped_bytes: int
-    opaque_bytes: int
-    replays: int
-    ops_replayed: int
-    replay_ms: float
     step_ms: float
     blocks: tuple[BlockStats, ...] = ()
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
@@ -396,24 +391,12 @@ class TapeSAC:
             if b.capture_error:
                 warnings.warn(f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept", stacklevel=3)
 
-        def total(attr: str) -> Any:
-            return sum(getattr(b, attr) for b in blocks)
-
+        totals = {f.name: sum(getattr(b, f.name) for b in blocks) for f in fields(_Counts)}
         return StepStats(
+            **totals,
             step=self._steps,
             policy=self._policy_label,
             block_calls=len(blocks),
-            ops_recorded=total("ops_recorded"),
-            saved_tensors=total("saved_tensors"),
-            kept_tensors=total("kept_tensors"),
-            dropped_tensors=total("dropped_tensors"),
-            opaque_tensors=total("opaque_tensors"),
-            kept_bytes=total("kept_bytes"),
-            dropped_bytes=total("dropped_bytes"),
-            opaque_bytes=total("opaque_bytes"),
-            replays=total("replays"),
-            ops_replayed=total("ops_replayed"),
-            replay_ms=float(total("replay_ms")),
             step_ms=seconds * 1e3,
             blocks=blocks,
             ops_replayed_by_name=dict(self._session.last_replayed_by_name()),

@@ -61,6 +61,34 @@ def _check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads
         )
 
 
+def _decoder_kwargs(
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    max_position_embeddings: int,
+    attention_dropout: float,
+    attn_implementation: str,
+    config_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The config fields every tiny decoder here shares (tied embeddings, no KV cache, no special tokens)."""
+    _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        attention_dropout=attention_dropout,
+        tie_word_embeddings=True,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+        **{**_token_ids(vocab_size), **config_kwargs},
+    )
+
+
 def _build(model_cls: Callable[[Any], Any], config: Any, seed: int | None) -> Any:
     import torch
 
@@ -104,22 +132,14 @@ def tiny_qwen3(
         seed: if set, weights are initialised from this seed without changing the global RNG.
         **config_kwargs: passed to Qwen3Config unchanged.
     """
-    _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
     tf = _transformers()
     config = tf.Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
         intermediate_size=intermediate_size if intermediate_size is not None else 3 * hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
         head_dim=head_dim if head_dim is not None else hidden_size // num_attention_heads,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=attention_dropout,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-        **{**_token_ids(vocab_size), **config_kwargs},
+        **_decoder_kwargs(
+            vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+            max_position_embeddings, attention_dropout, attn_implementation, config_kwargs,
+        ),
     )
     return _build(tf.Qwen3ForCausalLM, config, seed)
 
@@ -143,24 +163,16 @@ def tiny_llama(
     Args: as tiny_qwen3; intermediate_size defaults to round(8/3 * hidden_size) rounded up to a multiple
     of 8 (the Llama ratio; 344 for H128, 688 for H256 as in peers.md §5.1).
     """
-    _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
     tf = _transformers()
     if intermediate_size is None:
         intermediate_size = -(-round(8 * hidden_size / 3) // 8) * 8
     config = tf.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
         head_dim=head_dim if head_dim is not None else hidden_size // num_attention_heads,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=attention_dropout,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-        **{**_token_ids(vocab_size), **config_kwargs},
+        **_decoder_kwargs(
+            vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+            max_position_embeddings, attention_dropout, attn_implementation, config_kwargs,
+        ),
     )
     return _build(tf.LlamaForCausalLM, config, seed)
 
@@ -195,29 +207,21 @@ def tiny_qwen3_moe(
         experts_implementation: sets `config._experts_implementation` ("eager" = loop plus index_add_,
             "batched_mm", "grouped_mm"); None keeps the transformers default.
     """
-    _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
     if not 0 < num_experts_per_tok <= num_experts:
         raise ValueError(
             f"num_experts_per_tok must be in 1..num_experts ({num_experts}), got {num_experts_per_tok}"
         )
     tf = _transformers()
     config = tf.Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
         intermediate_size=intermediate_size if intermediate_size is not None else 3 * hidden_size,
         moe_intermediate_size=moe_intermediate_size if moe_intermediate_size is not None else hidden_size,
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         norm_topk_prob=norm_topk_prob,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=attention_dropout,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-        **{**_token_ids(vocab_size), **config_kwargs},
+        **_decoder_kwargs(
+            vocab_size, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+            max_position_embeddings, attention_dropout, attn_implementation, config_kwargs,
+        ),
     )
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation

@@ -155,11 +155,11 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
       const at::Tensor& t = outs[j];
       if (options.check_metadata) {
         const capture::TensorMeta& m = tape.value(v).meta;
-        const bool same = t.defined() && t.sizes().vec() == m.sizes && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
-                          (t.layout() != c10::kStrided || t.strides().vec() == m.strides);
+        const bool same = t.defined() && m.sizes.equals(t.sizes()) && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
+                          (t.layout() != c10::kStrided || m.strides.equals(t.strides()));
         TAPESAC_CHECK(same, kReplayContract, "replay of op ", op_label(tape, i), " output ", j,
-                      " diverged from the forward: expected sizes ", describe(m.sizes), " strides ",
-                      describe(m.strides), " dtype ", m.dtype, ", got ",
+                      " diverged from the forward: expected sizes ", describe(m.sizes.vec()), " strides ",
+                      describe(m.strides.vec()), " dtype ", m.dtype, ", got ",
                       t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec())
                                   : std::string("an undefined tensor"),
                       ". The block's inputs or parameters changed shape between forward and backward; run the "

@@ -40,8 +40,13 @@ std::string describe_tensor(const at::Tensor& t) {
 }  // namespace
 
 BlockCall::BlockCall(std::string name, const SessionOptions* options,
-                     const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache)
-    : name_(std::move(name)), options_(options), param_storages_(param_storages), save_cache_(save_cache) {
+                     const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache,
+                     size_t expected_ops)
+    : name_(std::move(name)),
+      options_(options),
+      param_storages_(param_storages),
+      save_cache_(save_cache),
+      recorder_(capture::RecorderOptions{true, true, expected_ops}) {
   closed_stats_.name = name_;
 }
 
@@ -400,7 +405,9 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
 
 std::shared_ptr<BlockCall> Session::begin_block(const std::string& name) {
   if (current_ != nullptr) return nullptr;
-  auto block = std::make_shared<BlockCall>(name, &options_, &param_storages_, &save_cache_);
+  auto hint = expected_ops_.find(name);
+  auto block = std::make_shared<BlockCall>(name, &options_, &param_storages_, &save_cache_,
+                                           hint == expected_ops_.end() ? 64 : hint->second + 8);
   block->start_forward();
   blocks_.push_back(block);
   current_ = block;
@@ -421,6 +428,7 @@ void Session::end_step() noexcept {
   for (const auto& b : blocks_) {
     b->close_step();
     last_stats_.push_back(b->stats());
+    expected_ops_[last_stats_.back().name] = static_cast<size_t>(last_stats_.back().ops_recorded);
     for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;
   }
   blocks_.clear();

@@ -20,6 +20,21 @@ def _forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     return x.square().sum()
 
 
+def _assert_step_exact(sac: tapesac.TapeSAC, blocks: nn.ModuleList, x: torch.Tensor) -> None:
+    """One step under `sac` equals a no-checkpoint step of a deep copy, bitwise, and really replayed."""
+    blocks.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(blocks)
+    ref_loss = _forward(ref, x)
+    ref_loss.backward()
+    with sac.step():
+        loss = _forward(blocks, x)
+        loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert sac.last_step.dropped_tensors > 0 and sac.last_step.ops_replayed > 0
+
+
 def test_inplace_change_of_a_parameter_before_backward_is_rejected_under_check() -> None:
     blocks = _blocks()
     sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="check")
@@ -31,17 +46,7 @@ def test_inplace_change_of_a_parameter_before_backward_is_rejected_under_check()
                 blocks[0][0].weight.add_(1.0)  # the replay of block 0 reads this weight
             loss.backward()
     # Nothing is left behind: the next step is exact.
-    blocks.zero_grad(set_to_none=True)
-    ref = copy.deepcopy(blocks)
-    ref_loss = _forward(ref, x)
-    ref_loss.backward()
-    with sac.step():
-        loss = _forward(blocks, x)
-        loss.backward()
-    assert torch.equal(loss, ref_loss)
-    for a, b in zip(blocks.parameters(), ref.parameters()):
-        assert torch.equal(a.grad, b.grad)
-    assert sac.last_step.ops_replayed > 0
+    _assert_step_exact(sac, blocks, x)
 
 
 def test_change_that_bypasses_version_counters_is_caught_only_by_strict() -> None:
@@ -63,15 +68,5 @@ def test_change_that_bypasses_version_counters_is_caught_only_by_strict() -> Non
 
 def test_strict_passes_and_is_exact_on_an_unchanged_model() -> None:
     blocks = _blocks(3)
-    ref = copy.deepcopy(blocks)
-    x = torch.randn(4, 16)
-    ref_loss = _forward(ref, x)
-    ref_loss.backward()
     sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="strict")
-    with sac.step():
-        loss = _forward(blocks, x)
-        loss.backward()
-    assert torch.equal(loss, ref_loss)
-    for a, b in zip(blocks.parameters(), ref.parameters()):
-        assert torch.equal(a.grad, b.grad)
-    assert sac.last_step.dropped_tensors > 0 and sac.last_step.ops_replayed > 0
+    _assert_step_exact(sac, blocks, torch.randn(4, 16))

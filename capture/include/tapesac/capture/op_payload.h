@@ -10,6 +10,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 
+#include "tapesac/capture/small_vec.h"
+
 namespace tapesac::capture {
 
 struct OpPayload {
@@ -17,7 +19,7 @@ struct OpPayload {
   std::optional<c10::OperatorHandle> handle;
   /// Boxed arguments; Tensor slots are None, Tensor[] slots are empty lists of the right type, Tensor?[] lists hold
   /// None where a tensor was.
-  std::vector<c10::IValue> args;
+  SmallVec<c10::IValue, 6> args;
   /// For random ops: the generator the op drew from and its state just before the op.
   std::optional<at::Generator> generator;
   c10::intrusive_ptr<c10::TensorImpl> generator_state;

@@ -40,6 +40,9 @@ struct RecorderOptions {
   bool record_rng = true;
   /// Measure each op's wall-clock duration (CPU clock; on CUDA this is launch time only).
   bool time_ops = true;
+  /// Expected number of ops (e.g. from the same block's previous step): tables are pre-sized so that recording
+  /// does not reallocate them while the block runs.
+  size_t expected_ops = 64;
 };
 
 /// Records one block call. Create, start() on the thread that runs the block, stop() on the same thread. Only one
@@ -83,8 +86,8 @@ class Recorder {
  private:
   struct Frame {
     const OpInfo* info = nullptr;  // nullptr: not recorded
-    std::vector<ArgRef> inputs;
-    std::vector<c10::IValue> args;
+    SmallVec<ArgRef, 4> inputs;
+    SmallVec<c10::IValue, 6> args;
     std::optional<at::Generator> generator;
     c10::intrusive_ptr<c10::TensorImpl> generator_state;
     bool non_replayable = false;
@@ -104,6 +107,7 @@ class Recorder {
   ValueId value_for_input(const at::Tensor& t);
   ValueId add_external(const at::Tensor& t, StorageId s);
   void add_input(Frame& f, const at::Tensor& t, int arg, int elem);
+  void link_value(ValueId v, StorageId s);
   void capture_rng(Frame& f, const at::RecordFunction& fn);
 
   RecorderOptions options_;
@@ -119,9 +123,12 @@ class Recorder {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs_;
   std::unordered_map<const c10::StorageImpl*, StorageId> storage_id_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_refs_;
-  std::vector<std::vector<ValueId>> storage_values_;
+  // Values of each storage as a linked list, newest first (no allocation per storage).
+  std::vector<ValueId> last_value_of_storage_;
+  std::vector<ValueId> prev_value_same_storage_;
 
   std::vector<Frame> frames_;
+  std::vector<StorageId> scratch_storages_;  // reused by exit()
   int open_recorded_ = 0;
   // Set while the recorder itself runs code that might dispatch (generator state, aliases): never recorded.
   bool busy_ = false;

@@ -15,6 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "tapesac/capture/small_dims.h"
+#include "tapesac/capture/small_vec.h"
+
 namespace tapesac::capture {
 
 using ValueId = int32_t;
@@ -28,8 +31,8 @@ constexpr OpIndex kExternal = -1;
 
 /// View metadata of a value: what identifies it among the views of one storage.
 struct TensorMeta {
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  SmallDims sizes;
+  SmallDims strides;
   int64_t storage_offset = 0;
   int16_t dtype = 0;        // c10::ScalarType as an integer
   int16_t device_type = 0;  // c10::DeviceType as an integer
@@ -53,7 +56,7 @@ struct ValueInfo {
 struct StorageInfo {
   bool external = false;
   /// Ops that wrote this storage, in tape order; for an internal storage writers[0] created it.
-  std::vector<OpIndex> writers;
+  SmallVec<OpIndex, 2> writers;
   /// Allocation size in bytes (as seen when the storage was first met).
   int64_t nbytes = 0;
 
@@ -86,12 +89,12 @@ enum OpFlag : uint32_t {
 struct OpRecord {
   OpKind kind = -1;
   uint32_t flags = 0;
-  std::vector<ArgRef> inputs;
+  SmallVec<ArgRef, 4> inputs;
   /// Values of the op's returned tensors, flattened in return order (Tensor[] returns expanded); -1 for an
   /// undefined tensor.
-  std::vector<ValueId> outputs;
+  SmallVec<ValueId, 2> outputs;
   /// Storages this op wrote (creator writes of its new outputs included).
-  std::vector<StorageId> writes;
+  SmallVec<StorageId, 2> writes;
   int64_t duration_ns = 0;
 
   bool has(OpFlag f) const { return (flags & f) != 0; }
@@ -101,6 +104,12 @@ struct OpRecord {
 /// block closes. Not thread-safe.
 class Tape {
  public:
+  /// Pre-sizes the tables (a hint; recording never needs it).
+  void reserve(size_t ops, size_t values, size_t storages) {
+    ops_.reserve(ops);
+    values_.reserve(values);
+    storages_.reserve(storages);
+  }
   StorageId add_storage(bool external, int64_t nbytes);
   /// Registers a value that no tape op produced (block input, parameter, buffer, captured tensor).
   ValueId add_external_value(StorageId storage, TensorMeta meta);

@@ -59,7 +59,7 @@ struct BlockStats {
 class BlockCall : public capture::RecorderListener, public std::enable_shared_from_this<BlockCall> {
  public:
   BlockCall(std::string name, const SessionOptions* options, const std::unordered_set<const void*>* param_storages,
-            std::vector<int8_t>* save_cache);
+            std::vector<int8_t>* save_cache, size_t expected_ops);
   ~BlockCall() override;
 
   void start_forward();
@@ -182,6 +182,8 @@ class Session {
   std::shared_ptr<BlockCall> current_;
   std::vector<BlockStats> last_stats_;
   std::unordered_map<std::string, int64_t> last_replayed_;
+  // Ops recorded per block name in the previous step: the recorder pre-sizes its tables from it.
+  std::unordered_map<std::string, size_t> expected_ops_;
 };
 
 }  // namespace tapesac::replay

@@ -86,7 +86,8 @@ void Recorder::start() {
   tape_.reserve(n, 3 * n, 2 * n);
   payloads_.reserve(n);
   live_.reserve(3 * n);
-  frames_.reserve(32);
+  call_stack_.reserve(64);
+  open_.reserve(16);
   impl_value_.reserve(3 * n);
   impl_refs_.reserve(3 * n);
   storage_id_.reserve(2 * n);
@@ -107,8 +108,8 @@ void Recorder::stop() noexcept {
   callback_ = 0;
   if (t_current == this) t_current = nullptr;
   active_ = false;
-  frames_.clear();
-  open_recorded_ = 0;
+  call_stack_.clear();
+  open_.clear();
   // Identity maps are only needed while the block runs; dropping them releases the weak references.
   impl_value_.clear();
   impl_refs_.clear();
@@ -144,21 +145,15 @@ void Recorder::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*
 
 const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
   if (busy_) return nullptr;
-  // Note [Which calls autograd sees]. The frame just pushed for this call is frames_.back(); the parent is the
-  // innermost enclosing call we track (recorded or composite).
+  // Note [Which calls autograd sees]. The parent is the innermost enclosing call we track (recorded or
+  // composite); open_ holds exactly those.
   //  * An op called from inside another op's kernel runs with the autograd keys excluded: autograd does not see
   //    it. A call with no enclosing tracked op is a top-level call from Python: torch's Python bindings of
   //    factory functions (torch.ones, torch.rand_like, ...) exclude the autograd keys themselves, yet autograd
   //    (and a TorchDispatchMode) sees those ops, so they are recorded.
   //  * An op without tensor arguments (a factory) never reaches an autograd kernel: whatever its kernel calls is
   //    below autograd even though the autograd keys are not excluded.
-  const Frame* parent = nullptr;
-  for (size_t i = frames_.size() - 1; i-- > 0;) {
-    if (frames_[i].info != nullptr) {
-      parent = &frames_[i];
-      break;
-    }
-  }
+  const Frame* parent = open_.empty() ? nullptr : &open_.back();
   const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
   if (parent != nullptr) {
     if (tls.excluded_.has_any(c10::autograd_dispatch_keyset)) return nullptr;
@@ -301,13 +296,26 @@ void Recorder::capture_rng(Frame& f, const at::RecordFunction& fn) {
 }
 
 void Recorder::enter(const at::RecordFunction& fn) {
-  frames_.emplace_back();
-  Frame& f = frames_.back();
-  if (!error_.empty()) return;
+  if (!error_.empty()) {
+    call_stack_.push_back(0);
+    return;
+  }
+  const OpInfo* info = nullptr;
   try {
     composite_ = false;
-    f.info = should_record(fn);
-    if (f.info == nullptr) return;
+    info = should_record(fn);
+  } catch (const std::exception& e) {
+    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+  }
+  if (info == nullptr) {
+    call_stack_.push_back(0);
+    return;
+  }
+  call_stack_.push_back(1);
+  open_.emplace_back();
+  Frame& f = open_.back();
+  try {
+    f.info = info;
     f.composite = composite_;
     f.has_tensor_args = has_tensor_args_;
     f.tape_size = tape_.next_op_index();
@@ -362,7 +370,6 @@ void Recorder::enter(const at::RecordFunction& fn) {
         capture_rng(f, fn);
       }
     }
-    ++open_recorded_;
     busy_ = false;
     if (options_.time_ops) f.start = std::chrono::steady_clock::now();
   } catch (const std::exception& e) {
@@ -373,19 +380,32 @@ void Recorder::enter(const at::RecordFunction& fn) {
 }
 
 void Recorder::exit(const at::RecordFunction& fn) {
-  if (frames_.empty()) return;
-  Frame f = std::move(frames_.back());
-  frames_.pop_back();
-  if (f.info == nullptr) return;
-  --open_recorded_;
+  if (call_stack_.empty()) return;
+  const bool tracked = call_stack_.back() != 0;
+  call_stack_.pop_back();
+  if (!tracked) return;
+  OpIndex recorded = -1;
+  {
+    struct PopFrame {
+      std::vector<Frame>& open;
+      ~PopFrame() { open.pop_back(); }
+    } pop{open_};
+    recorded = finish(open_.back(), fn);
+  }
+  // Told after the frame is gone, so that op_open() already reflects the enclosing calls.
+  if (recorded >= 0 && listener_ != nullptr) listener_->on_op_recorded(*this, recorded);
+}
+
+OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
+  if (f.info == nullptr) return -1;
   const auto end = options_.time_ops ? std::chrono::steady_clock::now() : f.start;
-  if (!error_.empty()) return;
+  if (!error_.empty()) return -1;
   // Note [Composite ops that run themselves]. A CompositeImplicitAutograd op normally decomposes: its children
   // run at autograd level and are recorded, and the op itself is not. When none of its children was recorded and
   // it returned a tensor that is not one of its inputs, it ran below autograd itself (another kernel won the
   // dispatch): record it as an ordinary op.
   if (f.composite) {
-    if (tape_.next_op_index() != f.tape_size) return;
+    if (tape_.next_op_index() != f.tape_size) return -1;
     bool fresh_output = false;
     for (const c10::IValue& o : fn.outputs()) {
       if (!o.isTensor() || !o.toTensor().defined()) {
@@ -396,7 +416,7 @@ void Recorder::exit(const at::RecordFunction& fn) {
       auto it = impl_value_.find(impl);
       if (it == impl_value_.end() || tape_.value(it->second).producer >= f.tape_size) fresh_output = true;
     }
-    if (!fresh_output) return;
+    if (!fresh_output) return -1;
   }
   busy_ = true;
   try {
@@ -476,19 +496,19 @@ void Recorder::exit(const at::RecordFunction& fn) {
     if (f.generator.has_value()) rec.flags |= kRandom;
     if (info.nondeterministic_bitwise && cuda) rec.flags |= kNondeterministic | kNonReplayable;
     const OpIndex index = tape_.add_op(std::move(rec));
-    OpPayload payload;
+    OpPayload& payload = payloads_.emplace_back();
     payload.handle = info.handle;
     payload.args = std::move(f.args);
     payload.generator = std::move(f.generator);
     payload.generator_state = std::move(f.generator_state);
-    payloads_.push_back(std::move(payload));
     if (live_.size() < tape_.values().size()) live_.resize(tape_.values().size());
     busy_ = false;
-    if (listener_ != nullptr) listener_->on_op_recorded(*this, index);
+    return index;
   } catch (const std::exception& e) {
     busy_ = false;
     error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
   }
+  return -1;
 }
 
 }  // namespace tapesac::capture

@@ -13,6 +13,8 @@ namespace py = pybind11;
 namespace tapesac::python {
 namespace {
 
+constexpr const char* kSlotCapsule = "tapesac.SavedSlot";
+
 using replay::BlockCall;
 using replay::PolicyKind;
 using replay::Session;
@@ -40,10 +42,6 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
 }  // namespace
 
 void bind_replay(py::module_& m) {
-  py::class_<replay::SavedSlot, std::shared_ptr<replay::SavedSlot>>(
-      m, "SavedSlot", "A tensor saved for backward inside a tapesac block (opaque; freed with its graph node).")
-      .def_property_readonly("slot", &replay::SavedSlot::slot);
-
   py::class_<Session>(m, "Session")
       .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
                        bool check_bytes) {
@@ -87,16 +85,25 @@ void bind_replay(py::module_& m) {
           [](Session& s, const at::Tensor& t) -> py::object {
             auto block = s.current_block();
             if (block == nullptr) return py::cast(capture::detached_alias(t));
-            return py::cast(std::make_shared<replay::SavedSlot>(block, block->pack(t)));
+            // A capsule is the cheapest Python object with a destructor: autograd drops it with the graph node that
+            // saved the tensor, which releases the slot.
+            auto slot = std::make_unique<replay::SavedSlot>(block, block->pack(t));
+            return py::capsule(slot.release(), kSlotCapsule, [](PyObject* capsule) {
+              std::unique_ptr<replay::SavedSlot>(
+                  static_cast<replay::SavedSlot*>(PyCapsule_GetPointer(capsule, kSlotCapsule)));
+            });
           },
           py::arg("tensor"))
       .def(
           "unpack",
           [](Session& /*s*/, const py::object& obj) -> at::Tensor {
             if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
-            const auto& h = obj.cast<const replay::SavedSlot&>();
+            TAPESAC_CHECK(PyCapsule_IsValid(obj.ptr(), kSlotCapsule), kGeneric,
+                          "tapesac: unpack expected a tensor or a tapesac saved slot, got ",
+                          py::str(py::type::of(obj)).cast<std::string>());
+            const auto* slot = static_cast<const replay::SavedSlot*>(PyCapsule_GetPointer(obj.ptr(), kSlotCapsule));
             py::gil_scoped_release no_gil;  // replay may be long; Python dispatch modes re-take the GIL
-            return h.unpack();
+            return slot->unpack();
           },
           py::arg("packed"))
       .def("last_stats",

@@ -77,7 +77,7 @@ class Recorder {
   /// The tape value `t` currently is (its latest version), or -1 when the recorder has not seen it.
   ValueId find_value(const at::Tensor& t) const;
   /// True while a recorded op has started and not yet finished on this thread (its outputs are not on the tape).
-  bool op_open() const { return open_recorded_ > 0; }
+  bool op_open() const { return !open_.empty(); }
   /// Number of ops seen at autograd level by the callback, recorded or not (for tests/benchmarks).
   int64_t ops_seen() const { return static_cast<int64_t>(tape_.ops().size()); }
   /// Non-empty when recording failed part-way (the tape is then incomplete and must not be replayed from).
@@ -101,6 +101,8 @@ class Recorder {
   static void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx);
   void enter(const at::RecordFunction& fn);
   void exit(const at::RecordFunction& fn);
+  /// Appends the op of a finished tracked call to the tape; its index, or -1 when it is not recorded.
+  OpIndex finish(Frame& f, const at::RecordFunction& fn);
   const OpInfo* should_record(const at::RecordFunction& fn);
 
   StorageId storage_of(const at::Tensor& t, bool create_external);
@@ -127,9 +129,10 @@ class Recorder {
   std::vector<ValueId> last_value_of_storage_;
   std::vector<ValueId> prev_value_same_storage_;
 
-  std::vector<Frame> frames_;
+  // One entry per dispatcher call in progress (1: it has a frame in open_), and the frames of the tracked ones.
+  std::vector<uint8_t> call_stack_;
+  std::vector<Frame> open_;
   std::vector<StorageId> scratch_storages_;  // reused by exit()
-  int open_recorded_ = 0;
   // Set while the recorder itself runs code that might dispatch (generator state, aliases): never recorded.
   bool busy_ = false;
   bool composite_ = false;  // out-parameters of should_record()

@@ -159,7 +159,7 @@ bool BlockCall::keep_by_policy(ValueId v, int32_t state) {
   return true;
 }
 
-void BlockCall::close_forward() noexcept {
+void BlockCall::close_forward() {
   recorder_.stop();
   std::lock_guard<std::mutex> lock(mu_);
   if (forward_closed_) return;
@@ -414,14 +414,19 @@ std::shared_ptr<BlockCall> Session::begin_block(const std::string& name) {
   return block;
 }
 
-void Session::end_block() noexcept {
+void Session::end_block() {
   if (current_ == nullptr) return;
-  current_->close_forward();
-  current_.reset();
+  std::shared_ptr<BlockCall> block = std::move(current_);  // closed even if deciding keep/drop throws
+  block->close_forward();
 }
 
 void Session::end_step() noexcept {
-  end_block();
+  try {
+    end_block();
+  } catch (...) {
+    // Closing the block's forward failed (e.g. out of memory while checksumming); the step is being torn down
+    // anyway and close_step() below releases everything the block holds.
+  }
   if (!in_step_) return;
   last_stats_.clear();
   last_replayed_.clear();

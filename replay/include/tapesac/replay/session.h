@@ -63,8 +63,9 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   ~BlockCall() override;
 
   void start_forward();
-  /// Ends recording, decides keep/drop for every saved tensor and frees the dropped ones. Never throws.
-  void close_forward() noexcept;
+  /// Ends recording, decides keep/drop for every saved tensor and frees the dropped ones. Recording has stopped
+  /// even when it throws (only allocation or the strict contract's checksums can).
+  void close_forward();
   /// Called at step end: releases everything; later unpacks throw.
   void close_step() noexcept;
 
@@ -163,8 +164,8 @@ class Session {
   /// Opens a block call (starts recording on this thread). Returns nullptr when a block is already open (nested
   /// blocks record into the outer one).
   std::shared_ptr<BlockCall> begin_block(const std::string& name);
-  /// Closes the open block call started by begin_block (no-op when none).
-  void end_block() noexcept;
+  /// Closes the open block call started by begin_block (no-op when none); the block is closed even if it throws.
+  void end_block();
   std::shared_ptr<BlockCall> current_block() const { return current_; }
 
   const std::vector<BlockStats>& last_stats() const { return last_stats_; }

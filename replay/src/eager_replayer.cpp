@@ -9,6 +9,7 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/capture/op_kinds.h"
@@ -98,6 +99,9 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
   std::vector<at::Tensor> env(nvalues);
   GeneratorRestorer restorer;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  // The tape holds the ops autocast produced (casts included): replay runs exactly those, whatever autocast state
+  // the backward runs under.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   std::vector<at::Tensor> outs;
 
   for (size_t k = 0; k < plan.ops.size(); ++k) {

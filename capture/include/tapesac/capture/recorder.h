@@ -78,8 +78,6 @@ class Recorder {
   ValueId find_value(const at::Tensor& t) const;
   /// True while a recorded op has started and not yet finished on this thread (its outputs are not on the tape).
   bool op_open() const { return !open_.empty(); }
-  /// Number of ops seen at autograd level by the callback, recorded or not (for tests/benchmarks).
-  int64_t ops_seen() const { return static_cast<int64_t>(tape_.ops().size()); }
   /// Non-empty when recording failed part-way (the tape is then incomplete and must not be replayed from).
   const std::string& error() const { return error_; }
 

@@ -126,12 +126,6 @@ void Recorder::clear() noexcept {
   live_.clear();
 }
 
-void Recorder::release_live_except(const std::vector<uint8_t>& keep) {
-  for (size_t v = 0; v < live_.size(); ++v) {
-    if (live_[v].defined() && (v >= keep.size() || !keep[v])) live_[v].reset();
-  }
-}
-
 std::unique_ptr<at::ObserverContext> Recorder::on_enter(const at::RecordFunction& fn) {
   Recorder* r = t_current;
   if (r != nullptr) r->enter(fn);

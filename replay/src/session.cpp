@@ -263,7 +263,7 @@ void BlockCall::close_forward() {
   for (size_t v = 0; v < live_.size(); ++v) {
     if (!needed[v]) live_[v].reset();
   }
-  recorder_.release_live_except({});
+  recorder_.release_live();
   live_versions_.assign(live_.size(), 0);
   for (size_t v = 0; v < live_.size(); ++v) {
     if (live_[v].defined() && !live_[v].is_inference()) {

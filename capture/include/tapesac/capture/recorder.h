@@ -69,8 +69,8 @@ class Recorder {
   const std::vector<OpPayload>& payloads() const { return payloads_; }
   /// Live tensors by value id: defined for external values (detached aliases); undefined otherwise.
   const std::vector<at::Tensor>& live() const { return live_; }
-  /// Releases the strong references held for external values that `keep` does not mark (indexed by ValueId).
-  void release_live_except(const std::vector<uint8_t>& keep);
+  /// Releases the strong references held for external values (after the caller took what replay needs).
+  void release_live() { live_.clear(); }
   /// Drops every strong reference, payload and tape entry (after the step).
   void clear() noexcept;
 

@@ -188,12 +188,12 @@ const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
 
 StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
   const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
-  auto it = storage_id_.find(key);
-  if (it != storage_id_.end()) return it->second;
+  const StorageId known = storage_id_.find(key);
+  if (known != PtrIndexMap::kMissing) return known;
   if (!create_external) return -1;
   const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
   const StorageId s = tape_.add_storage(/*external=*/true, nbytes);
-  storage_id_.emplace(key, s);
+  storage_id_.assign(key, s);
   if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
   last_value_of_storage_.push_back(-1);
   return s;
@@ -201,12 +201,12 @@ StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
 
 ValueId Recorder::find_value(const at::Tensor& t) const {
   if (!t.defined()) return -1;
-  auto it = impl_value_.find(t.unsafeGetTensorImpl());
-  if (it != impl_value_.end()) return it->second;
-  auto sit = storage_id_.find(static_cast<const c10::StorageImpl*>(storage_key(t)));
-  if (sit == storage_id_.end()) return -1;
+  const ValueId latest = impl_value_.find(t.unsafeGetTensorImpl());
+  if (latest != PtrIndexMap::kMissing) return latest;
+  const StorageId storage = storage_id_.find(storage_key(t));
+  if (storage == PtrIndexMap::kMissing) return -1;
   const TensorMeta m = meta_of(t);
-  for (ValueId c = last_value_of_storage_[static_cast<size_t>(sit->second)]; c >= 0;
+  for (ValueId c = last_value_of_storage_[static_cast<size_t>(storage)]; c >= 0;
        c = prev_value_same_storage_[static_cast<size_t>(c)]) {
     if (tape_.value(c).meta.same_view(m)) return c;
   }
@@ -217,7 +217,7 @@ ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
   const ValueId v = tape_.add_external_value(s, meta_of(t));
   if (live_.size() <= static_cast<size_t>(v)) live_.resize(static_cast<size_t>(v) + 1);
   live_[static_cast<size_t>(v)] = detached_alias(t);
-  if (impl_value_.emplace(t.unsafeGetTensorImpl(), v).second) {
+  if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
     impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
   }
   link_value(v, s);
@@ -407,8 +407,8 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
         continue;
       }
       const c10::TensorImpl* impl = o.toTensor().unsafeGetTensorImpl();
-      auto it = impl_value_.find(impl);
-      if (it == impl_value_.end() || tape_.value(it->second).producer >= f.tape_size) fresh_output = true;
+      const ValueId known = impl_value_.find(impl);
+      if (known == PtrIndexMap::kMissing || tape_.value(known).producer >= f.tape_size) fresh_output = true;
     }
     if (!fresh_output) return -1;
   }
@@ -439,27 +439,25 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
       }
       cuda = cuda || t.is_cuda();
       const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
-      StorageId s;
+      StorageId s = storage_id_.find(key);
       int32_t state;
-      auto it = storage_id_.find(key);
-      if (it == storage_id_.end()) {
+      if (s == PtrIndexMap::kMissing) {
         const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
         s = tape_.add_storage(/*external=*/false, nbytes);
-        storage_id_.emplace(key, s);
+        storage_id_.assign(key, s);
         if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
         last_value_of_storage_.push_back(-1);
         rec.writes.push_back(s);
         any_new_storage = true;
         state = 1;
       } else {
-        s = it->second;
         const bool written = std::find(rec.writes.begin(), rec.writes.end(), s) != rec.writes.end();
         state = tape_.state_of(s) + (written ? 1 : 0);
       }
       const ValueId v = tape_.add_output_value(s, state, meta_of(t));
-      auto [pos, inserted] = impl_value_.insert_or_assign(t.unsafeGetTensorImpl(), v);
-      (void)pos;
-      if (inserted) impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+      if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
+        impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+      }
       link_value(v, s);
       rec.outputs.push_back(v);
       out_storages.push_back(s);

@@ -22,6 +22,7 @@
 
 #include "tapesac/capture/op_info.h"
 #include "tapesac/capture/op_payload.h"
+#include "tapesac/capture/ptr_index_map.h"
 #include "tapesac/capture/tape.h"
 
 namespace tapesac::capture {
@@ -119,9 +120,9 @@ class Recorder {
   std::vector<OpPayload> payloads_;
   std::vector<at::Tensor> live_;
 
-  std::unordered_map<const c10::TensorImpl*, ValueId> impl_value_;
+  PtrIndexMap impl_value_;  // TensorImpl -> its latest value
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs_;
-  std::unordered_map<const c10::StorageImpl*, StorageId> storage_id_;
+  PtrIndexMap storage_id_;  // StorageImpl (or TensorImpl without storage) -> storage
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_refs_;
   // Values of each storage as a linked list, newest first (no allocation per storage).
   std::vector<ValueId> last_value_of_storage_;

@@ -16,12 +16,6 @@ namespace {
 
 thread_local Recorder* t_current = nullptr;
 
-const void* storage_key(const at::Tensor& t) {
-  // Tensors without storage (sparse, nested, some wrappers) get no aliasing information: keyed by their impl.
-  if (!t.has_storage()) return t.unsafeGetTensorImpl();
-  return t.storage().unsafeGetStorageImpl();
-}
-
 bool contains_tensor(const c10::IValue& v) {
   if (v.isTensor()) return v.toTensor().defined();
   if (v.isTensorList()) return v.toTensorList().size() > 0;
@@ -46,6 +40,11 @@ bool contains_tensor(const c10::IValue& v) {
 }
 
 }  // namespace
+
+const void* storage_key(const at::Tensor& t) {
+  if (!t.has_storage()) return t.unsafeGetTensorImpl();
+  return t.storage().unsafeGetStorageImpl();
+}
 
 at::Tensor detached_alias(const at::Tensor& t) {
   if (!t.defined()) return t;

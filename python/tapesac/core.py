@@ -349,22 +349,22 @@ class TapeSAC:
     def _make_post_hook(self, module: nn.Module) -> Callable[..., None]:
         def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
             if self._open and self._open[-1][0] is module:
-                _, hooks = self._open.pop()
-                try:
-                    hooks.__exit__(None, None, None)
-                finally:
-                    self._session.end_block()
+                self._close_top_block()
             return None
 
         return post_hook
 
+    def _close_top_block(self) -> None:
+        """Pops the innermost open block's saved-tensor hooks and closes its block call (also if popping raises)."""
+        _, hooks = self._open.pop()
+        try:
+            hooks.__exit__(None, None, None)
+        finally:
+            self._session.end_block()
+
     def _close_open_blocks(self) -> None:
         while self._open:
-            _, hooks = self._open.pop()
-            try:
-                hooks.__exit__(None, None, None)
-            finally:
-                self._session.end_block()
+            self._close_top_block()
         self._session.end_block()
 
     def _collect(self, seconds: float) -> StepStats:

@@ -11,13 +11,9 @@ namespace tapesac::replay {
 namespace {
 
 using capture::kExternal;
+using capture::storage_key;
 using capture::Tape;
 using capture::ValueId;
-
-const void* storage_key(const at::Tensor& t) {
-  if (!t.has_storage()) return t.unsafeGetTensorImpl();
-  return t.storage().unsafeGetStorageImpl();
-}
 
 int64_t storage_bytes(const at::Tensor& t) { return t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 
@@ -170,7 +166,7 @@ void BlockCall::close_forward() {
   st.ops_recorded = static_cast<int64_t>(tape.ops().size());
   st.saved = static_cast<int64_t>(slots_.size());
   st.capture_error = recorder_.error();
-  live_ = recorder_.live();
+  live_ = recorder_.take_live();
   live_.resize(tape.values().size());
   available_.assign(tape.values().size(), 0);
 
@@ -263,7 +259,6 @@ void BlockCall::close_forward() {
   for (size_t v = 0; v < live_.size(); ++v) {
     if (!needed[v]) live_[v].reset();
   }
-  recorder_.release_live();
   live_versions_.assign(live_.size(), 0);
   for (size_t v = 0; v < live_.size(); ++v) {
     if (live_[v].defined() && !live_[v].is_inference()) {

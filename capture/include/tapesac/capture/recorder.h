@@ -68,10 +68,9 @@ class Recorder {
 
   const Tape& tape() const { return tape_; }
   const std::vector<OpPayload>& payloads() const { return payloads_; }
-  /// Live tensors by value id: defined for external values (detached aliases); undefined otherwise.
-  const std::vector<at::Tensor>& live() const { return live_; }
-  /// Releases the strong references held for external values (after the caller took what replay needs).
-  void release_live() { live_.clear(); }
+  /// Hands over the live tensors by value id: defined for external values (detached aliases), undefined
+  /// otherwise. The recorder holds none afterwards.
+  std::vector<at::Tensor> take_live() { return std::move(live_); }
   /// Drops every strong reference, payload and tape entry (after the step).
   void clear() noexcept;
 
@@ -144,6 +143,10 @@ class Recorder {
 /// A detached alias of `t` (shares storage and version counter, no autograd metadata) made without dispatching,
 /// so that holding it creates no reference cycle with the autograd graph and records nothing.
 at::Tensor detached_alias(const at::Tensor& t);
+
+/// The identity of `t`'s allocation: its StorageImpl, or the TensorImpl itself for tensors without storage
+/// (sparse, nested, some wrappers), which then carry no aliasing information.
+const void* storage_key(const at::Tensor& t);
 
 /// TensorMeta of `t`.
 TensorMeta meta_of(const at::Tensor& t);

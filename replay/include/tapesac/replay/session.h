@@ -78,7 +78,6 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   void release(int32_t slot) noexcept;
 
   BlockStats stats() const;
-  const capture::Tape& tape() const { return recorder_.tape(); }
   /// Names of the recorded ops, in order.
   std::vector<std::string> op_names() const;
   const std::unordered_map<capture::OpKind, int64_t>& replayed_by_kind() const { return replay_stats_.ops_by_kind; }
@@ -169,7 +168,6 @@ class Session {
   std::shared_ptr<BlockCall> current_block() const { return current_; }
 
   const std::vector<BlockStats>& last_stats() const { return last_stats_; }
-  const std::vector<std::shared_ptr<BlockCall>>& blocks() const { return blocks_; }
   /// Replayed op counts of the last step, by op name.
   const std::unordered_map<std::string, int64_t>& last_replayed_by_name() const { return last_replayed_; }
   const SessionOptions& options() const { return options_; }

@@ -1,0 +1,312 @@
+// Step-level selection under one memory limit (step.h).
+//
+// Note [Step knapsack]. The predicted peak is baseline + sum_j kept_j + max_j ws_j. The max term couples the
+// calls, so we enumerate its value: for each cap W among the working sets of the frontier points, every call is
+// restricted to points with ws <= W, and what is left is a multiple-choice knapsack: minimize sum_j cost_j
+// subject to sum_j kept_j <= limit - baseline - W. The optimum over all W is the optimum of the whole problem
+// (the optimal choice has some max working set W*, and it is feasible for cap W*).
+// For one cap we solve the LP relaxation exactly: on each frontier only the lower convex hull of (bytes, cost)
+// matters, and taking hull segments in decreasing order of cost saved per byte is optimal for the LP (the
+// classic MCKP result; it is the Lagrangian dual: for every multiplier each call picks the hull point
+// minimizing cost + lambda * bytes). The greedy stops with at most one call that the LP would advance
+// fractionally, so the integer solution is within one hull segment's cost of the LP bound, which is itself
+// below the integer optimum. With many calls that is a small fraction of the total (one block of 48); the
+// remaining bytes are then spent by moving single calls to any frontier point (not only hull points) that fits
+// and saves the most. The LP bound is reported as StepPlan::replay_cost_lower_bound_ns so the gap is visible.
+// Cost: O(caps * (points + calls) * log) for the LP greedy, plus the slack moves; caps <= frontier points.
+#include "tapesac/planner/step.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <queue>
+#include <string>
+
+namespace tapesac::planner {
+namespace {
+
+std::string human_bytes(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%lld bytes (%.3f GiB)", static_cast<long long>(bytes),
+                static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+// Indices of the points of f with working set <= cap, ascending bytes.
+std::vector<int32_t> allowed_points(const BlockFrontier& f, int64_t cap) {
+  std::vector<int32_t> out;
+  for (size_t p = 0; p < f.points.size(); ++p) {
+    if (f.points[p].working_set_bytes <= cap) out.push_back(static_cast<int32_t>(p));
+  }
+  return out;
+}
+
+// Lower convex hull of the allowed points in the (bytes, cost) plane, from the first (least bytes) point, keeping
+// only segments that save cost.
+std::vector<int32_t> lower_hull(const BlockFrontier& f, const std::vector<int32_t>& allowed) {
+  std::vector<int32_t> hull;
+  for (int32_t p : allowed) {
+    const FrontierPoint& c = f.points[static_cast<size_t>(p)];
+    if (!hull.empty() && c.replay_cost_ns >= f.points[static_cast<size_t>(hull.back())].replay_cost_ns) continue;
+    while (hull.size() >= 2) {
+      const FrontierPoint& a = f.points[static_cast<size_t>(hull[hull.size() - 2])];
+      const FrontierPoint& b = f.points[static_cast<size_t>(hull.back())];
+      const double cross = static_cast<double>(b.kept_bytes - a.kept_bytes) * (c.replay_cost_ns - a.replay_cost_ns) -
+                           (b.replay_cost_ns - a.replay_cost_ns) * static_cast<double>(c.kept_bytes - a.kept_bytes);
+      if (cross > 0) break;  // b is strictly below the chord a-c
+      hull.pop_back();
+    }
+    hull.push_back(p);
+  }
+  return hull;
+}
+
+// A choice for every call, as counts of calls per frontier point.
+struct Choice {
+  std::vector<std::vector<int32_t>> at;  // [frontier][point] -> calls
+  double cost = 0;
+  double lower_bound = 0;
+  int64_t kept = 0;
+  int64_t max_ws = 0;
+};
+
+// The choice for one working-set cap (Note [Step knapsack]); false when no choice fits `kept_room`.
+bool solve_cap(const StepInput& in, const std::vector<int32_t>& n_calls, int64_t cap, int64_t kept_room,
+               Choice* out) {
+  const size_t nf = in.frontiers.size();
+  Choice ch;
+  ch.at.resize(nf);
+  std::vector<std::vector<int32_t>> hulls(nf);
+  int64_t base = 0;
+  for (size_t f = 0; f < nf; ++f) {
+    if (n_calls[f] == 0) continue;
+    const BlockFrontier& fr = in.frontiers[f];
+    const std::vector<int32_t> allowed = allowed_points(fr, cap);
+    if (allowed.empty()) return false;
+    hulls[f] = lower_hull(fr, allowed);
+    ch.at[f].assign(fr.points.size(), 0);
+    const FrontierPoint& first = fr.points[static_cast<size_t>(hulls[f].front())];
+    ch.at[f][static_cast<size_t>(hulls[f].front())] = n_calls[f];
+    base += n_calls[f] * first.kept_bytes;
+    ch.cost += n_calls[f] * first.replay_cost_ns;
+  }
+  int64_t room = kept_room - base;
+  if (room < 0) return false;
+
+  // LP greedy over hull segments, steepest first. A frontier's segment k+1 is queued only after segment k was
+  // taken, and its slope is smaller, so every call that will reach hull[k] is there when segment k is popped.
+  struct Segment {
+    double per_byte;
+    int32_t f;
+    int32_t k;
+    bool operator<(const Segment& o) const { return per_byte < o.per_byte; }
+  };
+  auto segment = [&](int32_t f, int32_t k) {
+    const BlockFrontier& fr = in.frontiers[static_cast<size_t>(f)];
+    const auto& h = hulls[static_cast<size_t>(f)];
+    const FrontierPoint& a = fr.points[static_cast<size_t>(h[static_cast<size_t>(k)])];
+    const FrontierPoint& b = fr.points[static_cast<size_t>(h[static_cast<size_t>(k) + 1])];
+    return Segment{(a.replay_cost_ns - b.replay_cost_ns) / static_cast<double>(b.kept_bytes - a.kept_bytes), f, k};
+  };
+  std::priority_queue<Segment> queue;
+  for (size_t f = 0; f < nf; ++f) {
+    if (hulls[f].size() >= 2) queue.push(segment(static_cast<int32_t>(f), 0));
+  }
+  bool fractional = false;
+  while (!queue.empty()) {
+    const Segment s = queue.top();
+    queue.pop();
+    const BlockFrontier& fr = in.frontiers[static_cast<size_t>(s.f)];
+    const auto& h = hulls[static_cast<size_t>(s.f)];
+    const int32_t from = h[static_cast<size_t>(s.k)];
+    const int32_t to = h[static_cast<size_t>(s.k) + 1];
+    const int64_t db = fr.points[static_cast<size_t>(to)].kept_bytes - fr.points[static_cast<size_t>(from)].kept_bytes;
+    const double dc =
+        fr.points[static_cast<size_t>(from)].replay_cost_ns - fr.points[static_cast<size_t>(to)].replay_cost_ns;
+    int32_t& n_from = ch.at[static_cast<size_t>(s.f)][static_cast<size_t>(from)];
+    const int32_t t = static_cast<int32_t>(std::min<int64_t>(n_from, room / db));
+    n_from -= t;
+    ch.at[static_cast<size_t>(s.f)][static_cast<size_t>(to)] += t;
+    room -= t * db;
+    ch.cost -= t * dc;
+    if (n_from > 0 && !fractional) {
+      fractional = true;
+      ch.lower_bound = ch.cost - s.per_byte * static_cast<double>(room);
+    }
+    if (t > 0 && static_cast<size_t>(s.k) + 2 < h.size()) queue.push(segment(s.f, s.k + 1));
+  }
+  if (!fractional) ch.lower_bound = ch.cost;
+
+  // Spend what is left: move one call at a time to the point (any point under the cap) that saves the most.
+  while (true) {
+    double best_gain = 0;
+    int32_t best_f = -1, best_p = -1, best_q = -1;
+    for (size_t f = 0; f < nf; ++f) {
+      const BlockFrontier& fr = in.frontiers[f];
+      for (size_t p = 0; p < ch.at[f].size(); ++p) {
+        if (ch.at[f][p] == 0) continue;
+        const FrontierPoint& a = fr.points[p];
+        for (size_t q = p + 1; q < fr.points.size(); ++q) {
+          const FrontierPoint& b = fr.points[q];
+          if (b.kept_bytes - a.kept_bytes > room) break;
+          if (b.working_set_bytes > cap) continue;
+          const double gain = a.replay_cost_ns - b.replay_cost_ns;
+          if (gain > best_gain) {
+            best_gain = gain;
+            best_f = static_cast<int32_t>(f);
+            best_p = static_cast<int32_t>(p);
+            best_q = static_cast<int32_t>(q);
+          }
+        }
+      }
+    }
+    if (best_f < 0) break;
+    const BlockFrontier& fr = in.frontiers[static_cast<size_t>(best_f)];
+    room -= fr.points[static_cast<size_t>(best_q)].kept_bytes - fr.points[static_cast<size_t>(best_p)].kept_bytes;
+    ch.cost -= best_gain;
+    --ch.at[static_cast<size_t>(best_f)][static_cast<size_t>(best_p)];
+    ++ch.at[static_cast<size_t>(best_f)][static_cast<size_t>(best_q)];
+  }
+
+  for (size_t f = 0; f < nf; ++f) {
+    for (size_t p = 0; p < ch.at[f].size(); ++p) {
+      if (ch.at[f][p] == 0) continue;
+      const FrontierPoint& pt = in.frontiers[f].points[p];
+      ch.kept += ch.at[f][p] * pt.kept_bytes;
+      ch.max_ws = std::max(ch.max_ws, pt.working_set_bytes);
+    }
+  }
+  *out = std::move(ch);
+  return true;
+}
+
+StepPlan make_plan(const StepInput& in, const PeakModel& model, const Choice& ch) {
+  StepPlan plan;
+  std::vector<std::vector<int32_t>> left = ch.at;
+  for (int32_t f : in.calls) {
+    const BlockFrontier& fr = in.frontiers[static_cast<size_t>(f)];
+    auto& counts = left[static_cast<size_t>(f)];
+    const auto it = std::find_if(counts.begin(), counts.end(), [](int32_t n) { return n > 0; });
+    TAPESAC_INTERNAL_ASSERT(it != counts.end(), "step plan assigns fewer points than calls of frontier ", f);
+    --*it;
+    const int32_t p = static_cast<int32_t>(it - counts.begin());
+    const FrontierPoint& pt = fr.points[static_cast<size_t>(p)];
+    plan.calls.push_back(CallPlan{f, p, pt.keep, pt.kept_bytes, pt.working_set_bytes, pt.replay_cost_ns});
+    plan.sum_kept_bytes += pt.kept_bytes;
+    plan.max_working_set_bytes = std::max(plan.max_working_set_bytes, pt.working_set_bytes);
+    plan.replay_cost_ns += pt.replay_cost_ns;
+  }
+  plan.predicted_peak_bytes = model.predict(plan.sum_kept_bytes, plan.max_working_set_bytes);
+  plan.replay_cost_lower_bound_ns = ch.lower_bound;
+  return plan;
+}
+
+}  // namespace
+
+InfeasibleLimitError::InfeasibleLimitError(int64_t limit_bytes, int64_t smallest_feasible_bytes)
+    : Error(ErrorKind::kMemoryLimit,
+            "memory limit " + human_bytes(limit_bytes) + " is below the smallest feasible predicted step peak " +
+                human_bytes(smallest_feasible_bytes) +
+                " (baseline + the minimum kept bytes of every block + one block's replay working set); raise the "
+                "limit to at least that"),
+      limit_bytes_(limit_bytes),
+      smallest_feasible_bytes_(smallest_feasible_bytes) {}
+
+StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const FrontierOptions& options) {
+  StepInput in;
+  std::map<std::string, int32_t> by_signature;
+  std::vector<const BlockProblem*> first;
+  for (size_t j = 0; j < calls.size(); ++j) {
+    const BlockProblem* p = calls[j];
+    TAPESAC_CHECK(p != nullptr, kConfig, "build_step_input: block call ", j, " has no problem (null)");
+    auto [it, inserted] = by_signature.emplace(p->signature, static_cast<int32_t>(first.size()));
+    if (inserted) {
+      first.push_back(p);
+      in.frontiers.push_back(block_frontier(*p, options));
+    } else {
+      const BlockProblem& q = *first[static_cast<size_t>(it->second)];
+      TAPESAC_CHECK(q.ops.size() == p->ops.size() && q.values.size() == p->values.size() &&
+                        q.candidates.size() == p->candidates.size(),
+                    kConfig, "build_step_input: block calls with signature '", p->signature,
+                    "' differ: (ops, values, candidates) = (", q.ops.size(), ", ", q.values.size(), ", ",
+                    q.candidates.size(), ") vs (", p->ops.size(), ", ", p->values.size(), ", ", p->candidates.size(),
+                    ") at call ", j, "; blocks with one signature must have identical tapes");
+    }
+    in.calls.push_back(it->second);
+  }
+  return in;
+}
+
+StepPlan plan_step(const StepInput& in, const PeakModel& model, int64_t limit_bytes) {
+  std::vector<int32_t> n_calls(in.frontiers.size(), 0);
+  for (size_t j = 0; j < in.calls.size(); ++j) {
+    const int32_t f = in.calls[j];
+    TAPESAC_CHECK(f >= 0 && static_cast<size_t>(f) < in.frontiers.size(), kConfig, "plan_step: block call ", j,
+                  " references frontier ", f, ", expected an index in [0, ", in.frontiers.size(), ")");
+    TAPESAC_CHECK(!in.frontiers[static_cast<size_t>(f)].points.empty(), kConfig, "plan_step: frontier ", f, " ('",
+                  in.frontiers[static_cast<size_t>(f)].signature, "') has no points");
+    ++n_calls[static_cast<size_t>(f)];
+  }
+  // Keep everything: the last point of every frontier.
+  Choice all;
+  all.at.resize(in.frontiers.size());
+  std::vector<int64_t> caps{0};
+  for (size_t f = 0; f < in.frontiers.size(); ++f) {
+    if (n_calls[f] == 0) continue;
+    const BlockFrontier& fr = in.frontiers[f];
+    all.at[f].assign(fr.points.size(), 0);
+    all.at[f].back() = n_calls[f];
+    for (const FrontierPoint& pt : fr.points) caps.push_back(pt.working_set_bytes);
+  }
+  std::sort(caps.begin(), caps.end());
+  caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
+
+  // Smallest feasible peak: per cap, every call at its least-bytes point under the cap.
+  int64_t min_feasible = std::numeric_limits<int64_t>::max();
+  for (int64_t cap : caps) {
+    int64_t kept = 0;
+    bool ok = true;
+    for (size_t f = 0; f < in.frontiers.size() && ok; ++f) {
+      if (n_calls[f] == 0) continue;
+      const std::vector<int32_t> allowed = allowed_points(in.frontiers[f], cap);
+      ok = !allowed.empty();
+      if (ok) kept += n_calls[f] * in.frontiers[f].points[static_cast<size_t>(allowed.front())].kept_bytes;
+    }
+    if (ok) min_feasible = std::min(min_feasible, model.predict(kept, cap));
+  }
+  if (limit_bytes < min_feasible) throw InfeasibleLimitError(limit_bytes, min_feasible);
+
+  const StepPlan keep_all_plan = make_plan(in, model, all);
+  StepPlan plan;
+  if (limit_bytes >= keep_all_plan.predicted_peak_bytes) {
+    plan = keep_all_plan;
+    plan.keeps_everything = true;
+    plan.replay_cost_lower_bound_ns = plan.replay_cost_ns;
+  } else {
+    Choice best;
+    bool found = false;
+    double lower_bound = std::numeric_limits<double>::infinity();
+    int64_t best_peak = 0;
+    for (int64_t cap : caps) {
+      Choice ch;
+      if (!solve_cap(in, n_calls, cap, limit_bytes - model.baseline_bytes - cap, &ch)) continue;
+      lower_bound = std::min(lower_bound, ch.lower_bound);
+      const int64_t peak = model.predict(ch.kept, ch.max_ws);
+      if (!found || ch.cost < best.cost || (ch.cost == best.cost && peak < best_peak)) {
+        best = std::move(ch);
+        best_peak = peak;
+        found = true;
+      }
+    }
+    TAPESAC_INTERNAL_ASSERT(found, "plan_step found no choice although the limit ", limit_bytes,
+                            " is above the smallest feasible peak ", min_feasible);
+    plan = make_plan(in, model, best);
+    plan.replay_cost_lower_bound_ns = lower_bound;
+  }
+  plan.min_feasible_peak_bytes = min_feasible;
+  plan.keep_all_peak_bytes = keep_all_plan.predicted_peak_bytes;
+  return plan;
+}
+
+}  // namespace tapesac::planner

@@ -35,7 +35,35 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["replays"] = s.replays;
   d["ops_replayed"] = s.ops_replayed;
   d["replay_ns"] = s.replay_ns;
+  d["replayed_bytes"] = s.replayed_bytes;
+  d["replay_peak_bytes"] = s.replay_peak_bytes;
+  d["predicted_replay_bytes"] = s.predicted_replay_bytes;
+  d["replay_pieces"] = s.replay_pieces;
   d["capture_error"] = s.capture_error;
+  return d;
+}
+
+py::dict memory_to_dict(const replay::StepMemoryStats& m) {
+  py::dict d;
+  d["baseline_bytes"] = m.baseline;
+  d["total"] = gauge_to_dict(m.total);
+  py::dict phases;
+  for (int p = 0; p < allocator::kNumPhases; ++p) {
+    phases[allocator::phase_name(static_cast<allocator::Phase>(p))] = gauge_to_dict(m.phases[static_cast<size_t>(p)]);
+  }
+  d["phases"] = phases;
+  d["arena_shared_bytes"] = m.arena_shared;
+  d["arena_separate_bytes"] = m.arena_separate;
+  d["replay_pieces"] = m.replay_pieces;
+  d["memory_limit"] = m.memory_limit;
+  py::list timeline;
+  for (const auto& p : m.timeline) {
+    timeline.append(py::make_tuple(p.t_ns, p.bytes, allocator::phase_name(p.phase)));
+  }
+  d["timeline"] = timeline;
+  py::list spans;
+  for (const auto& sp : m.spans) spans.append(py::make_tuple(sp.kind, sp.block, sp.begin_ns, sp.end_ns));
+  d["spans"] = spans;
   return d;
 }
 
@@ -44,7 +72,8 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
 void bind_replay(py::module_& m) {
   py::class_<Session>(m, "Session")
       .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
-                       bool check_bytes) {
+                       bool check_bytes, int64_t memory_limit, size_t timeline_points, py::object arena_pool,
+                       int arena_device) {
              SessionOptions o;
              if (policy == "none") {
                o.policy = PolicyKind::kNone;
@@ -63,10 +92,23 @@ void bind_replay(py::module_& m) {
              o.check_versions = check_versions;
              o.check_metadata = check_metadata;
              o.check_bytes = check_bytes;
+             TAPESAC_CHECK(memory_limit >= 0, kConfig, "memory_limit must be >= 0 bytes (0: none), got ", memory_limit);
+             o.memory_limit = memory_limit;
+             o.timeline_points = timeline_points;
+             if (!arena_pool.is_none()) {
+               o.arena_pool_id = arena_pool.cast<std::pair<uint64_t, uint64_t>>();
+               o.arena_device = arena_device;
+             }
              return std::make_unique<Session>(std::move(o));
            }),
            py::arg("policy"), py::arg("save_op") = py::none(), py::arg("check_versions") = true,
-           py::arg("check_metadata") = true, py::arg("check_bytes") = false)
+           py::arg("check_metadata") = true, py::arg("check_bytes") = false, py::arg("memory_limit") = 0,
+           py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0)
+      .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
+      .def("shutdown", &Session::shutdown)
+      .def_property_readonly("memory_limit", [](const Session& s) { return s.options().memory_limit; })
+      .def("in_use", &Session::in_use)
+      .def("last_memory", [](const Session& s) { return memory_to_dict(s.last_memory()); })
       .def("begin_step", &Session::begin_step, py::arg("params"))
       .def("end_step", &Session::end_step)
       .def_property_readonly("in_step", &Session::in_step)

@@ -3,10 +3,17 @@
 
 #include <pybind11/pybind11.h>
 
+#include "tapesac/allocator/telemetry.h"
+
 namespace tapesac::python {
 
 void bind_errors(pybind11::module_& m);
 void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
+void bind_allocator(pybind11::module_& m);
+
+/// {current, peak, allocated, allocations} of a gauge.
+pybind11::dict gauge_to_dict(const allocator::Gauge& g);
+
 
 }  // namespace tapesac::python

@@ -41,6 +41,7 @@ PYBIND11_MODULE(_C, m) {
   tapesac::python::bind_errors(m);
   tapesac::python::bind_capture(m);
   tapesac::python::bind_replay(m);
+  tapesac::python::bind_allocator(m);
 #ifdef TAPESAC_WITH_CUDA
   m.attr("has_cuda_backend") = true;
 #else

@@ -9,6 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from .errors import CaptureError, ConfigError, MemoryLimitError, ReplayContractError, TapeSACError
 from . import _C  # noqa: E402
 from .core import Approx, BlockStats, StepStats, TapeSAC, record_ops
+from .memory import MemoryMeter, MemoryStats, parse_memory_limit
 from .report import StepReport
 
 __version__ = "0.1.0"
@@ -19,6 +20,9 @@ __all__ = [
     "StepStats",
     "BlockStats",
     "StepReport",
+    "MemoryMeter",
+    "MemoryStats",
+    "parse_memory_limit",
     "record_ops",
     "TapeSACError",
     "ConfigError",

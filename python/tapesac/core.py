@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
+import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -20,6 +23,7 @@ from torch import nn
 
 from . import _C
 from .errors import ConfigError, TapeSACError
+from .memory import MemoryStats, parse_memory_limit
 
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
@@ -59,13 +63,19 @@ class _Counts:
     replays: int
     ops_replayed: int
     replay_ms: float
+    replayed_bytes: int
+    replay_pieces: int
 
 
 @dataclass(frozen=True)
 class BlockStats(_Counts):
-    """One block call of a step."""
+    """One block call of a step. ``replayed_bytes``: bytes allocated by its replays; ``replay_peak_bytes``: the
+    largest measured working set of one replay; ``predicted_replay_bytes``: the largest predicted from the tape;
+    ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``."""
 
     name: str
+    replay_peak_bytes: int = 0
+    predicted_replay_bytes: int = 0
     capture_error: str = ""
 
 
@@ -79,6 +89,7 @@ class StepStats(_Counts):
     step_ms: float
     blocks: tuple[BlockStats, ...] = ()
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
+    memory: MemoryStats | None = None
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -140,6 +151,15 @@ class _OpSetPolicy:
 
     def unmatched(self) -> list[Any]:
         return [op for name, op in {**self.exact, **self.packets}.items() if name not in self.matched]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for a model without any)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
 
 
 def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
@@ -214,11 +234,15 @@ class TapeSAC:
             everything; only record and measure), a set of op names whose outputs are kept (``{"aten::mm"}``,
             ``torch.ops.aten.mm``, ``torch.ops.aten.mm.default``), or a callable ``f(op_name) -> bool`` (True keeps;
             called once per distinct op overload).
-        memory_limit: reserved for the planner (``policy="auto"``); must be None for now.
+        memory_limit: the step-peak limit: bytes (int), a size (``"20GiB"``, ``"512MB"``) or a percentage of the
+            device's memory (``"90%"``; on CPU of physical RAM). Enforced during replay: a replay that would not fit
+            runs in pieces, and one that cannot fit raises MemoryLimitError. With a limit, the default policy is
+            ``"auto"`` (the planner).
         backend: ``"auto"`` or ``"eager"`` (the CUDA-graph backend is not available yet).
         contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor, metadata checks
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
+        log: a path: one JSON line per step (the step's statistics and memory) is appended to it.
         approx: reserved for approximate rematerialization; must be None for now.
     """
 
@@ -227,19 +251,22 @@ class TapeSAC:
         model: nn.Module,
         *,
         blocks: Any = "model.layers.*",
-        policy: Any = "full",
+        policy: Any = None,
         memory_limit: Any = None,
         backend: str = "auto",
         contract: str = "check",
         approx: Approx | None = None,
+        log: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"TapeSAC expects the model as a torch.nn.Module, got {type(model).__name__}")
-        if memory_limit is not None:
-            raise ConfigError(
-                f"memory_limit={memory_limit!r}: the planner that enforces a memory limit is not available yet; "
-                f"pass memory_limit=None with policy 'full', 'none' or a set of op names"
-            )
+        self._device = _model_device(model)
+        limit = parse_memory_limit(memory_limit, self._device)
+        if policy is None:
+            policy = "auto" if limit is not None else "full"
+        if log is not None and not isinstance(log, (str, os.PathLike)):
+            raise ConfigError(f"log must be a file path (str or os.PathLike) for the JSON-lines telemetry, got "
+                              f"{type(log).__name__}")
         if backend not in BACKENDS:
             raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
         if contract not in CONTRACTS:
@@ -251,7 +278,21 @@ class TapeSAC:
         self._policy_label, session_policy, save_op = self._normalize_policy(policy)
         self._save_op = save_op
         check = contract != "off"
-        self._session = _C.Session(session_policy, save_op, check, check, contract == "strict")
+        arena = None
+        if self._device.type == "cuda":
+            # One private pool for every replay of this instance: the replay arena (allocator/limit.h).
+            self._arena_pool = torch.cuda.MemPool()
+            arena = tuple(int(i) for i in self._arena_pool.id)
+        self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
+                                   memory_limit=limit or 0, arena_pool=arena,
+                                   arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0)
+        self._log_path = Path(log) if log is not None else None
+        if self._log_path is not None:
+            try:
+                self._log_path.open("a").close()
+            except OSError as e:
+                raise ConfigError(f"log={str(log)!r} cannot be opened for appending ({e}); pass a writable file path")
+        self._timeline: dict[str, Any] = {}
         self._steps = 0
         self._last: StepStats | None = None
         self._history: list[StepStats] = []
@@ -312,6 +353,8 @@ class TapeSAC:
                 f"Finish the open `with sac.step():` block first."
             )
         params = [p for p in self._model.parameters()] + [b for b in self._model.buffers()]
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
         self._session.begin_step(params)
         _thread_state.active = self
         handles = []
@@ -331,6 +374,7 @@ class TapeSAC:
             self._last = self._collect(time.perf_counter() - start)
             self._history.append(self._last)
             self._warn_unmatched()
+            self._write_log(self._last)
 
     def _make_pre_hook(self, name: str) -> Callable[..., None]:
         session = self._session
@@ -383,6 +427,10 @@ class TapeSAC:
                 replays=b["replays"],
                 ops_replayed=b["ops_replayed"],
                 replay_ms=b["replay_ns"] / 1e6,
+                replayed_bytes=b["replayed_bytes"],
+                replay_pieces=b["replay_pieces"],
+                replay_peak_bytes=b["replay_peak_bytes"],
+                predicted_replay_bytes=b["predicted_replay_bytes"],
                 capture_error=b["capture_error"],
             )
             for b in raw
@@ -392,7 +440,14 @@ class TapeSAC:
                 warnings.warn(f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept", stacklevel=3)
 
         totals = {f.name: sum(getattr(b, f.name) for b in blocks) for f in fields(_Counts)}
+        raw = self._session.last_memory()
+        cuda_peak = None
+        if self._device.type == "cuda":
+            cuda_peak = int(torch.cuda.max_memory_allocated(self._device))
+        memory = MemoryStats.from_session(raw, str(self._device), cuda_peak)
+        self._timeline = {"timeline": [list(p) for p in raw["timeline"]], "spans": [list(sp) for sp in raw["spans"]]}
         return StepStats(
+            memory=memory,
             **totals,
             step=self._steps,
             policy=self._policy_label,
@@ -417,18 +472,39 @@ class TapeSAC:
                 stacklevel=3,
             )
 
+    def _write_log(self, stats: StepStats) -> None:
+        if self._log_path is None:
+            return
+        from .report import SCHEMA_VERSION
+
+        record = {"schema_version": SCHEMA_VERSION, "kind": "step", **asdict(stats)}
+        try:
+            with self._log_path.open("a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as e:  # runs in the step's `finally`: never mask the step's own exception
+            warnings.warn(f"tapesac: cannot append telemetry to {str(self._log_path)!r}: {e}", stacklevel=3)
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The step-peak limit in bytes (None: no limit). Settable with the same forms as the constructor."""
+        return self._session.memory_limit or None
+
+    @memory_limit.setter
+    def memory_limit(self, value: Any) -> None:
+        self._session.set_memory_limit(parse_memory_limit(value, self._device) or 0)
+
     def report(self) -> "StepReport":
         """A StepReport of the steps run so far (the last step in detail)."""
         from .report import StepReport
 
-        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks])
+        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._timeline)
 
     def close(self) -> None:
         """Ends any open step and releases the runtime; the model is left exactly as it was."""
         if self._closed:
             return
         self._close_open_blocks()
-        self._session.end_step()
+        self._session.shutdown()
         self._closed = True
 
     def __repr__(self) -> str:

@@ -1,6 +1,8 @@
-"""StepReport: what tapesac did in the last step (and a summary of the steps before), as JSON or a table.
+"""StepReport: what tapesac did in the last step (and a summary of the steps before), as JSON, a table or a plot.
 
-Frozen, versioned (``schema_version``); ``to_dict()`` is the JSON form, ``from_dict()`` reads it back.
+Frozen, versioned (``schema_version``); ``to_dict()`` is the JSON form, ``from_dict()`` reads it back. The JSON
+lines a ``TapeSAC(..., log=path)`` writes are one ``StepStats`` each (``kind: "step"``); ``from_jsonl()`` turns
+such a file into a report (``python -m tapesac report FILE``).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .core import BlockStats, StepStats
+from .core import StepStats
+from .errors import ConfigError
 
-__all__ = ["StepReport"]
+__all__ = ["StepReport", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+_PHASE_COLORS = {"forward": "#1f77b4", "backward": "#d62728", "replay": "#2ca02c"}
 
 
 def _mib(n: float) -> str:
@@ -24,7 +29,12 @@ def _mib(n: float) -> str:
 
 @dataclass(frozen=True)
 class StepReport:
-    """Report of a TapeSAC run: the last step per block, and medians over all steps."""
+    """Report of a TapeSAC run: the last step per block, its memory and timeline, and medians over all steps.
+
+    ``last`` is the last StepStats as a dict (``last["memory"]`` its MemoryStats); ``timeline`` is the last step's
+    memory timeline: ``points`` = [t_ns, bytes above the step's start, phase] and ``spans`` = [kind, block,
+    begin_ns, end_ns] (block forwards and replays). ``peaks`` is the step peak of every step (bytes), in order.
+    """
 
     schema_version: int
     steps: int
@@ -34,20 +44,55 @@ class StepReport:
     median_step_ms: float | None
     median_replay_ms: float | None
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
+    peaks: tuple[int, ...] = ()
+    timeline: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_history(cls, history: Sequence[StepStats], blocks: Sequence[str]) -> "StepReport":
-        last = history[-1] if history else None
+    def from_history(cls, history: Sequence[StepStats], blocks: Sequence[str],
+                     timeline: dict[str, Any] | None = None) -> "StepReport":
+        # Through JSON so that a report and its to_dict()/from_dict() round trip compare equal (tuples -> lists).
+        records = json.loads(json.dumps([asdict(s) for s in history]))
+        return cls._from_records(records, blocks, timeline or {})
+
+    @classmethod
+    def _from_records(cls, records: Sequence[dict[str, Any]], blocks: Sequence[str],
+                      timeline: dict[str, Any]) -> "StepReport":
+        last = records[-1] if records else None
         return cls(
             schema_version=SCHEMA_VERSION,
-            steps=len(history),
-            policy=last.policy if last else "",
+            steps=len(records),
+            policy=last["policy"] if last else "",
             blocks=tuple(blocks),
-            last=asdict(last) if last else None,
-            median_step_ms=statistics.median(s.step_ms for s in history) if history else None,
-            median_replay_ms=statistics.median(s.replay_ms for s in history) if history else None,
-            ops_replayed_by_name=dict(last.ops_replayed_by_name) if last else {},
+            last=last,
+            median_step_ms=statistics.median(r["step_ms"] for r in records) if records else None,
+            median_replay_ms=statistics.median(r["replay_ms"] for r in records) if records else None,
+            ops_replayed_by_name=dict(last["ops_replayed_by_name"]) if last else {},
+            peaks=tuple(int(r["memory"]["peak_bytes"]) for r in records if r.get("memory")),
+            timeline={"points": list(timeline.get("timeline", [])), "spans": list(timeline.get("spans", []))},
         )
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path) -> "StepReport":
+        """A report of the steps logged in a ``log=`` file (the last policy's run when several were appended)."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{str(p)!r} is not a file; expected the JSON-lines file given as TapeSAC(log=...)")
+        records = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p}:{n}: not a JSON line ({e.msg}); expected a tapesac telemetry log") from None
+            if rec.get("kind") != "step" or rec.get("schema_version") != SCHEMA_VERSION:
+                raise ConfigError(f"{p}:{n}: expected a tapesac step record with schema_version {SCHEMA_VERSION}, "
+                                  f"got kind={rec.get('kind')!r} schema_version={rec.get('schema_version')!r}")
+            records.append(rec)
+        if not records:
+            raise ConfigError(f"{p} holds no step records; run steps with TapeSAC(log={str(p)!r}) first")
+        blocks = [b["name"] for b in records[-1]["blocks"]]
+        return cls._from_records(records, list(dict.fromkeys(blocks)), {})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,9 +100,11 @@ class StepReport:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepReport":
         if d.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"StepReport schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            raise ConfigError(f"StepReport schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}; "
+                              f"it was written by another tapesac version")
         d = dict(d)
         d["blocks"] = tuple(d["blocks"])
+        d["peaks"] = tuple(d.get("peaks", ()))
         return cls(**d)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -77,15 +124,113 @@ class StepReport:
             f"{last['saved_tensors']} tensors saved: {last['kept_tensors']} kept ({_mib(last['kept_bytes'])} MiB), "
             f"{last['dropped_tensors']} dropped ({_mib(last['dropped_bytes'])} MiB), {last['opaque_tensors']} opaque; "
             f"{last['ops_replayed']} ops replayed in {last['replays']} replay(s)",
+        ]
+        mem = last.get("memory")
+        if mem:
+            limit = mem.get("memory_limit")
+            lines.append(
+                f"memory ({mem['device']}): step peak {_mib(mem['peak_bytes'])} MiB = baseline "
+                f"{_mib(mem['baseline_bytes'])} MiB (parameters, buffers, gradients) + "
+                f"{_mib(mem['peak_above_baseline_bytes'])} MiB; allocated {_mib(mem['allocated_bytes'])} MiB in the "
+                f"step; replay arena {_mib(mem['arena_bytes'])} MiB (one pool per block would hold "
+                f"{_mib(mem['arena_separate_bytes'])} MiB)"
+                + (f"; limit {_mib(limit)} MiB, {mem['replay_pieces']} replay(s) split" if limit else "")
+            )
+            if len(self.peaks) > 1:
+                lines.append(f"step peaks over {len(self.peaks)} steps: min {_mib(min(self.peaks))} MiB, "
+                             f"max {_mib(max(self.peaks))} MiB")
+            lines += ["", f"{'phase':<10}{'allocated MiB':>15}{'peak MiB':>10}{'alive at end MiB':>18}{'allocs':>9}"]
+            for name, ph in mem["phases"].items():
+                lines.append(f"{name:<10}{_mib(ph['allocated_bytes']):>15}{_mib(ph['peak_bytes']):>10}"
+                             f"{_mib(ph['alive_bytes']):>18}{ph['allocations']:>9}")
+        lines += [
             "",
-            f"{'block':<28}{'ops':>6}{'saved':>7}{'kept MiB':>10}{'dropped MiB':>13}{'replayed':>10}{'replay ms':>11}",
+            f"{'block':<24}{'ops':>6}{'saved':>7}{'kept MiB':>10}{'dropped MiB':>13}{'replayed MiB':>14}"
+            f"{'ops replayed':>14}{'replay ms':>11}",
         ]
         for b in last["blocks"]:
             lines.append(
-                f"{b['name'][:27]:<28}{b['ops_recorded']:>6}{b['saved_tensors']:>7}{_mib(b['kept_bytes']):>10}"
-                f"{_mib(b['dropped_bytes']):>13}{b['ops_replayed']:>10}{b['replay_ms']:>11.2f}"
+                f"{b['name'][:23]:<24}{b['ops_recorded']:>6}{b['saved_tensors']:>7}{_mib(b['kept_bytes']):>10}"
+                f"{_mib(b['dropped_bytes']):>13}{_mib(b.get('replayed_bytes', 0)):>14}{b['ops_replayed']:>14}"
+                f"{b['replay_ms']:>11.2f}"
             )
         if self.ops_replayed_by_name:
             top = sorted(self.ops_replayed_by_name.items(), key=lambda kv: -kv[1])[:8]
             lines += ["", "replayed ops: " + ", ".join(f"{k} ×{v}" for k, v in top)]
         return "\n".join(lines)
+
+    def plot(self, path: str | Path, title: str | None = None) -> Path:
+        """Writes a PNG: the last step's memory timeline by phase (top) and per-block kept / dropped / replayed
+        bytes (bottom). Needs matplotlib."""
+        return plot_reports([self], path, title=title)
+
+
+def plot_reports(reports: Sequence[StepReport], path: str | Path, title: str | None = None,
+                 labels: Sequence[str] | None = None) -> Path:
+    """One figure comparing reports (e.g. policy "none" and "full"): a timeline panel and a bar panel per report."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
+        raise ConfigError("StepReport.plot needs matplotlib (pip install matplotlib)") from e
+    if not reports or any(r.last is None for r in reports):
+        raise ConfigError("plot needs reports with at least one step")
+    labels = list(labels) if labels else [f"policy {r.policy!r}" for r in reports]
+    fig, axes = plt.subplots(2, len(reports), figsize=(7 * len(reports), 8), squeeze=False)
+    ymax = max((max((p[1] for p in r.timeline.get("points", [])), default=0) for r in reports), default=0)
+    for col, (rep, label) in enumerate(zip(reports, labels)):
+        ax = axes[0][col]
+        pts = rep.timeline.get("points", [])
+        mem = rep.last.get("memory") or {}
+        base = mem.get("baseline_bytes", 0)
+        if pts:
+            # Step-wise line, coloured by phase.
+            for phase, color in _PHASE_COLORS.items():
+                xs, ys = [], []
+                for t, b, ph in pts:
+                    if ph == phase:
+                        xs.append(t / 1e6)
+                        ys.append((b + base) / 2**20)
+                    elif xs:
+                        xs.append(float("nan"))
+                        ys.append(float("nan"))
+                ax.plot(xs, ys, drawstyle="steps-post", color=color, label=phase, linewidth=1.2)
+            for kind, block, b0, b1 in rep.timeline.get("spans", []):
+                if kind == "replay":
+                    ax.axvspan(b0 / 1e6, b1 / 1e6, color=_PHASE_COLORS["replay"], alpha=0.12, linewidth=0)
+            ax.axhline(base / 2**20, color="gray", linestyle=":", linewidth=1, label="baseline")
+            if mem.get("memory_limit"):
+                ax.axhline(mem["memory_limit"] / 2**20, color="black", linestyle="--", linewidth=1, label="limit")
+            ax.set_ylim(0, (ymax + base) / 2**20 * 1.08 + 1e-9)
+        else:
+            ax.text(0.5, 0.5, "no timeline recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("time in step (ms)")
+        ax.set_ylabel("tensor memory (MiB)")
+        peak = mem.get("peak_bytes", 0)
+        ax.set_title(f"{label}: step peak {peak / 2**20:.1f} MiB")
+        ax.legend(loc="upper left", fontsize=8)
+
+        ax = axes[1][col]
+        blocks = rep.last["blocks"]
+        names = [b["name"].split(".")[-1] if b["name"] else "?" for b in blocks]
+        xs = range(len(blocks))
+        w = 0.28
+        ax.bar([x - w for x in xs], [b["kept_bytes"] / 2**20 for b in blocks], w, label="kept", color="#1f77b4")
+        ax.bar(list(xs), [b["dropped_bytes"] / 2**20 for b in blocks], w, label="dropped", color="#ff7f0e")
+        ax.bar([x + w for x in xs], [b.get("replayed_bytes", 0) / 2**20 for b in blocks], w, label="replayed",
+               color="#2ca02c")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, fontsize=8)
+        ax.set_xlabel("block call")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{label}: per block call")
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

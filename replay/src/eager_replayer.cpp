@@ -75,6 +75,37 @@ std::string describe(const std::vector<int64_t>& v) {
 
 }  // namespace
 
+int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std::vector<Read>& targets) {
+  const size_t nstorages = tape.storages().size();
+  std::vector<int32_t> last_read(nstorages, -1);
+  std::vector<uint8_t> pinned(nstorages, 0);
+  for (const Read& r : targets) pinned[static_cast<size_t>(tape.value(r.value).storage)] = 1;
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    for (const ArgRef& a : tape.op(plan.ops[k]).inputs) {
+      last_read[static_cast<size_t>(tape.value(a.value).storage)] = static_cast<int32_t>(k);
+    }
+  }
+  int64_t live = 0;
+  int64_t peak = 0;
+  std::vector<std::vector<capture::StorageId>> free_after(plan.ops.size());
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    const OpIndex i = plan.ops[k];
+    for (capture::StorageId s : tape.op(i).writes) {
+      const capture::StorageInfo& info = tape.storage(s);
+      if (info.external || info.writers.empty() || info.writers[0] != i) continue;  // in-place: no allocation
+      live += info.nbytes;
+      const auto su = static_cast<size_t>(s);
+      if (pinned[su]) continue;
+      // Freed after its last reader in the plan, or right after the op when nothing in the plan reads it.
+      const int32_t last = std::max(last_read[su], static_cast<int32_t>(k));
+      free_after[static_cast<size_t>(last)].push_back(s);
+    }
+    peak = std::max(peak, live);
+    for (capture::StorageId s : free_after[k]) live -= tape.storage(s).nbytes;
+  }
+  return peak;
+}
+
 std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,
                                                const ReplayOptions& options, ReplayStats* stats) {
   const Tape& tape = *source.tape;

@@ -2,7 +2,12 @@
 #include "tapesac/replay/session.h"
 
 #include <algorithm>
+#include <chrono>
 #include <sstream>
+
+#ifdef TAPESAC_WITH_CUDA
+#include "tapesac/cuda/arena.h"
+#endif
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/capture/op_kinds.h"
@@ -33,22 +38,51 @@ std::string describe_tensor(const at::Tensor& t) {
   return os.str();
 }
 
+int64_t elapsed_ns(const StepMemory& m) { return m.counter ? m.counter->elapsed_ns() : 0; }
+
+// Sets the counter's phase for a scope and puts the previous one back (also when the scope throws).
+class PhaseScope {
+ public:
+  PhaseScope(allocator::MemoryCounter* c, allocator::Phase p) : c_(c), prev_(c ? c->phase() : p) {
+    if (c_) c_->set_phase(p);
+  }
+  ~PhaseScope() {
+    if (c_) c_->set_phase(prev_);
+  }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  allocator::MemoryCounter* c_;
+  allocator::Phase prev_;
+};
+
 }  // namespace
+
+void StepMemory::add_span(TimelineSpan span) {
+  std::lock_guard<std::mutex> lock(spans_mu);
+  if (spans.size() < 100000) spans.push_back(std::move(span));
+}
 
 BlockCall::BlockCall(std::string name, const SessionOptions* options,
                      const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache,
-                     size_t expected_ops)
+                     size_t expected_ops, std::shared_ptr<StepMemory> memory)
     : name_(std::move(name)),
       options_(options),
       param_storages_(param_storages),
       save_cache_(save_cache),
-      recorder_(capture::RecorderOptions{true, true, expected_ops}) {
+      recorder_(capture::RecorderOptions{true, true, expected_ops}),
+      memory_(std::move(memory)) {
   closed_stats_.name = name_;
 }
 
 BlockCall::~BlockCall() { recorder_.stop(); }
 
 void BlockCall::start_forward() {
+  if (memory_ && memory_->counter) {
+    memory_->counter->set_phase(allocator::Phase::kForward);
+    forward_begin_ns_ = memory_->counter->elapsed_ns();
+  }
   recorder_.set_listener(this);
   try {
     recorder_.start();
@@ -160,6 +194,7 @@ void BlockCall::close_forward() {
   std::lock_guard<std::mutex> lock(mu_);
   if (forward_closed_) return;
   forward_closed_ = true;
+  if (memory_) memory_->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, elapsed_ns(*memory_)});
   resolve_pending(true);
   const Tape& tape = recorder_.tape();
   BlockStats& st = closed_stats_;
@@ -299,6 +334,45 @@ void BlockCall::check_live_versions(const PruneResult& plan) const {
   }
 }
 
+std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan) {
+  const Tape& tape = recorder_.tape();
+  const int64_t whole = predict_working_set(tape, plan, targets);
+  closed_stats_.predicted_replay_bytes = std::max(closed_stats_.predicted_replay_bytes, whole);
+  const int64_t limit = options_->memory_limit;
+  if (limit <= 0 || !memory_) return targets;
+  int64_t in_use = memory_->in_use();
+#ifdef TAPESAC_WITH_CUDA
+  const at::Tensor* sample = nullptr;
+  for (const at::Tensor& t : live_) {
+    if (t.defined()) {
+      sample = &t;
+      break;
+    }
+  }
+  if (sample != nullptr && sample->is_cuda()) in_use = cuda::allocated_bytes(sample->get_device());
+#endif
+  int64_t piece = whole;
+  std::vector<Read> piece_targets{wanted};
+  PruneResult piece_plan;
+  if (targets.size() > 1 && in_use + whole > limit) {
+    piece_plan = prune(tape, piece_targets, available_);
+    piece = predict_working_set(tape, piece_plan, piece_targets);
+  }
+  const allocator::LimitDecision d = allocator::decide(limit, in_use, whole, piece);
+  switch (d.verdict) {
+    case allocator::LimitVerdict::kWhole:
+      return targets;
+    case allocator::LimitVerdict::kPieces:
+      ++closed_stats_.replay_pieces;
+      ++memory_->replay_pieces;
+      plan = std::move(piece_plan);
+      return piece_targets;
+    case allocator::LimitVerdict::kReject:
+      break;
+  }
+  throw Error(ErrorKind::kMemoryLimit, allocator::rejection_message(d, name_, "the backward (replay)"));
+}
+
 at::Tensor BlockCall::unpack(int32_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   TAPESAC_CHECK(!step_closed_, kGeneric, "tapesac: a tensor saved in block '", name_,
@@ -307,6 +381,10 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   TAPESAC_CHECK(slot >= 0 && static_cast<size_t>(slot) < slots_.size(), kGeneric, "tapesac: unknown saved slot ", slot);
   const Slot& s = slots_[static_cast<size_t>(slot)];
   TAPESAC_INTERNAL_ASSERT(!s.released, "slot ", slot, " of block ", name_, " unpacked after its handle was freed");
+  // The first unpack of the step marks the start of the backward on the memory timeline.
+  if (memory_ && memory_->counter && memory_->counter->phase() == allocator::Phase::kForward) {
+    memory_->counter->set_phase(allocator::Phase::kBackward);
+  }
   check_version(s, slot);
   if (!s.dropped) {
     TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
@@ -324,7 +402,14 @@ at::Tensor BlockCall::unpack(int32_t slot) {
       if (count > 0 && !cache_.count(value)) targets.push_back(Read{value, value_state_.at(value)});
     }
     std::sort(targets.begin(), targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
-    check_live_versions(prune(recorder_.tape(), targets, available_));
+    PruneResult plan = prune(recorder_.tape(), targets, available_);
+    check_live_versions(plan);
+    targets = limit_targets(std::move(targets), Read{v, value_state_.at(v)}, plan);
+    allocator::MemoryCounter* counter = memory_ ? memory_->counter.get() : nullptr;
+    PhaseScope phase(counter, allocator::Phase::kReplay);
+    const int64_t begin_ns = memory_ ? elapsed_ns(*memory_) : 0;
+    const int64_t window_start = counter ? counter->begin_window() : 0;
+    const int64_t allocated_before = counter ? counter->total().allocated : 0;
     ReplaySource src;
     src.tape = &recorder_.tape();
     src.payloads = &recorder_.payloads();
@@ -332,8 +417,21 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     src.available = &available_;
     ReplayOptions opts;
     opts.check_metadata = options_->check_metadata;
+#ifdef TAPESAC_WITH_CUDA
+    std::optional<cuda::ArenaRouting> arena_routing;
+    if (options_->arena_pool_id.second != 0 || options_->arena_pool_id.first != 0) {
+      arena_routing.emplace(options_->arena_device, options_->arena_pool_id.first, options_->arena_pool_id.second);
+    }
+#endif
     auto out = replay(src, targets, opts, &replay_stats_);
     ++replays_;
+    if (counter != nullptr) {
+      const int64_t ws = counter->window_peak() - window_start;
+      closed_stats_.replay_peak_bytes = std::max(closed_stats_.replay_peak_bytes, ws);
+      closed_stats_.replayed_bytes += counter->total().allocated - allocated_before;
+      memory_->arena.on_replay(name_, ws);
+    }
+    if (memory_) memory_->add_span(TimelineSpan{"replay", name_, begin_ns, elapsed_ns(*memory_)});
     for (auto& [value, tensor] : out) {
       if (options_->check_bytes) {
         auto c = checksums_.find(value);
@@ -391,18 +489,39 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
                 "tapesac: sac.step() was entered while a step of the same TapeSAC is open; steps cannot nest. "
                 "Close the first `with sac.step():` before opening the next.");
   param_storages_.clear();
+  int64_t baseline = 0;
+  std::unordered_set<const void*> counted;
   for (const at::Tensor& p : params) {
-    if (p.defined()) param_storages_.insert(storage_key(p));
+    if (!p.defined()) continue;
+    param_storages_.insert(storage_key(p));
+    if (counted.insert(storage_key(p)).second) baseline += storage_bytes(p);
+    const at::Tensor& g = p.grad();
+    if (g.defined() && g.has_storage() && counted.insert(storage_key(g)).second) baseline += storage_bytes(g);
   }
   blocks_.clear();
+  if (!allocator_use_) allocator_use_ = std::make_unique<allocator::CountingAllocatorUse>();
+  memory_ = std::make_shared<StepMemory>();
+  memory_->counter = std::make_shared<allocator::MemoryCounter>(options_.timeline_points);
+  memory_->baseline = baseline;
+  counter_scope_.emplace(memory_->counter);
   in_step_ = true;
+}
+
+void Session::shutdown() noexcept {
+  end_step();
+  allocator_use_.reset();
+}
+
+void Session::set_memory_limit(int64_t bytes) {
+  TAPESAC_CHECK(bytes >= 0, kConfig, "memory_limit must be a non-negative number of bytes (0: no limit), got ", bytes);
+  options_.memory_limit = bytes;
 }
 
 std::shared_ptr<BlockCall> Session::begin_block(const std::string& name) {
   if (current_ != nullptr) return nullptr;
   auto hint = expected_ops_.find(name);
   auto block = std::make_shared<BlockCall>(name, &options_, &param_storages_, &save_cache_,
-                                           hint == expected_ops_.end() ? 64 : hint->second + 8);
+                                           hint == expected_ops_.end() ? 64 : hint->second + 8, memory_);
   block->start_forward();
   blocks_.push_back(block);
   current_ = block;
@@ -432,6 +551,28 @@ void Session::end_step() noexcept {
     for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;
   }
   blocks_.clear();
+  counter_scope_.reset();
+  try {
+    StepMemoryStats m;
+    if (memory_) {
+      m.baseline = memory_->baseline;
+      m.total = memory_->counter->total();
+      for (int p = 0; p < allocator::kNumPhases; ++p) {
+        m.phases[static_cast<size_t>(p)] = memory_->counter->phase_gauge(static_cast<allocator::Phase>(p));
+      }
+      m.arena_shared = memory_->arena.shared_bytes();
+      m.arena_separate = memory_->arena.separate_bytes();
+      m.replay_pieces = memory_->replay_pieces;
+      m.timeline = memory_->counter->timeline();
+      std::lock_guard<std::mutex> lock(memory_->spans_mu);
+      m.spans = memory_->spans;
+    }
+    m.memory_limit = options_.memory_limit;
+    last_memory_ = std::move(m);
+  } catch (...) {
+    last_memory_ = StepMemoryStats{};  // out of memory copying the timeline: the step's figures are lost
+  }
+  memory_.reset();
   in_step_ = false;
 }
 

@@ -17,6 +17,7 @@
 
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tape.h"
+#include "tapesac/replay/eager_replayer.h"
 #include "tapesac/replay/prune.h"
 
 namespace tapesac::replay {
@@ -787,6 +788,50 @@ TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
   EXPECT_GT(successes, 100);
   EXPECT_GT(failures, 10);
   EXPECT_GT(with_writers, 30);
+}
+
+// predict_working_set(): storages created by replayed ops are alive from their creator to their last reader in
+// the plan; targets stay alive to the end; views and in-place ops allocate nothing.
+TEST(PredictWorkingSet, ChainFreesIntermediatesAndPinsTargets) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::sin", {x});
+  const ValueId c1 = b.op("aten::cos", {a});
+  const ValueId d = b.op("aten::exp", {c1});
+  const std::vector<Read> only_d{b.now(d)};
+  const PruneResult p1 = prune(b.tape, only_d, b.keep({}));
+  ASSERT_EQ(p1.ops.size(), 3u);
+  // a (64), then c1 while a is alive (128), a freed, d while c1 is alive (128).
+  EXPECT_EQ(predict_working_set(b.tape, p1, only_d), 2 * kBytes);
+  const std::vector<Read> a_and_d{b.now(a), b.now(d)};
+  const PruneResult p2 = prune(b.tape, a_and_d, b.keep({}));
+  // a is a target: alive to the end, so a + c1 + d.
+  EXPECT_EQ(predict_working_set(b.tape, p2, a_and_d), 3 * kBytes);
+}
+
+TEST(PredictWorkingSet, ViewsAndInplaceAllocateNothing) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::sin", {x});
+  const ValueId v = b.view("aten::view", a);
+  const ValueId a2 = b.inplace("aten::mul_", a, {x});
+  const ValueId out = b.op("aten::exp", {v});
+  (void)a2;
+  const std::vector<Read> targets{b.now(out)};
+  const PruneResult p = prune(b.tape, targets, b.keep({}));
+  ASSERT_FALSE(p.ops.empty());
+  // Only sin and exp allocate; sin's storage is read by exp through the view, so both are alive together.
+  EXPECT_EQ(predict_working_set(b.tape, p, targets), 2 * kBytes);
+}
+
+TEST(PredictWorkingSet, EmptyPlanNeedsNothing) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("aten::sin", {x});
+  const std::vector<Read> targets{b.now(a)};
+  const PruneResult p = prune(b.tape, targets, b.keep({a}));
+  EXPECT_TRUE(p.ops.empty());
+  EXPECT_EQ(predict_working_set(b.tape, p, targets), 0);
 }
 
 }  // namespace

@@ -36,6 +36,12 @@ struct ReplayOptions {
   bool check_metadata = true;
 };
 
+/// Predicted peak bytes a replay of `plan` (the pruned closure of `targets`) allocates, from the tape's sizes:
+/// every storage an op in the plan creates is allocated when the op runs (while its inputs are alive) and freed
+/// after the last op of the plan reading it, except storages holding a target, which stay alive to the end. View
+/// and in-place ops allocate nothing. Kernel workspaces are not modelled (telemetry measures the real figure).
+int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std::vector<Read>& targets);
+
 /// Replays the closure of `targets` and returns their tensors by value id. Throws tapesac::Error (kReplayContract)
 /// when the closure cannot be replayed or a replayed output diverges from the tape's metadata. Not thread-safe for
 /// the same source; generator states are restored even when it throws.

@@ -7,6 +7,7 @@
 // handles throws (kGeneric) instead of returning stale data.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -16,8 +17,12 @@
 #include <unordered_set>
 #include <vector>
 
+#include <optional>
+
 #include <ATen/core/Tensor.h>
 
+#include "tapesac/allocator/limit.h"
+#include "tapesac/allocator/telemetry.h"
 #include "tapesac/capture/recorder.h"
 #include "tapesac/replay/eager_replayer.h"
 
@@ -36,6 +41,52 @@ struct SessionOptions {
   bool check_metadata = true;
   /// Contract "strict": checksum every dropped tensor's bytes at forward and compare after replay.
   bool check_bytes = false;
+  /// Step-peak limit in bytes enforced during replay (0: none): a replay that would not fit runs in pieces, and
+  /// raises MemoryLimitError when even a piece cannot fit.
+  int64_t memory_limit = 0;
+  /// Bound of the step's memory timeline (points); 0 disables it.
+  size_t timeline_points = 8192;
+  /// CUDA only: the private memory pool (a MempoolId_t, e.g. torch.cuda.MemPool().id) every replay of the
+  /// session allocates from — the replay arena; {0, 0}: replays use the default pool.
+  std::pair<uint64_t, uint64_t> arena_pool_id{0, 0};
+  int arena_device = 0;
+};
+
+/// A span of the step's timeline: one block's forward or one replay.
+struct TimelineSpan {
+  std::string kind;  // "forward" or "replay"
+  std::string block;
+  int64_t begin_ns = 0;
+  int64_t end_ns = 0;
+};
+
+/// The memory side of one step: counted by the counting CPU allocator on the stepping thread (see
+/// allocator/telemetry.h); shared by the Session and its BlockCalls.
+struct StepMemory {
+  std::shared_ptr<allocator::MemoryCounter> counter;
+  /// Bytes of the model's parameters, buffers and gradients at step start (not counted by the step's counter).
+  int64_t baseline = 0;
+  allocator::ArenaAccounting arena;
+  std::mutex spans_mu;
+  std::vector<TimelineSpan> spans;
+  int64_t replay_pieces = 0;
+
+  /// Bytes in use now as the limit sees them.
+  int64_t in_use() const { return baseline + (counter ? counter->current() : 0); }
+  void add_span(TimelineSpan span);
+};
+
+/// A snapshot of StepMemory at step end.
+struct StepMemoryStats {
+  int64_t baseline = 0;
+  allocator::Gauge total;  // the step's counter: peak is relative to step start (add baseline for the step peak)
+  std::array<allocator::Gauge, allocator::kNumPhases> phases{};
+  int64_t arena_shared = 0;
+  int64_t arena_separate = 0;
+  int64_t replay_pieces = 0;
+  int64_t memory_limit = 0;
+  std::vector<allocator::TimelinePoint> timeline;
+  std::vector<TimelineSpan> spans;
 };
 
 struct BlockStats {
@@ -51,6 +102,13 @@ struct BlockStats {
   int64_t replays = 0;
   int64_t ops_replayed = 0;
   int64_t replay_ns = 0;
+  /// Bytes allocated while replaying (all replays of the block call), the largest measured working set of one
+  /// replay, and the largest predicted one (from the tape's sizes).
+  int64_t replayed_bytes = 0;
+  int64_t replay_peak_bytes = 0;
+  int64_t predicted_replay_bytes = 0;
+  /// Replays that ran in pieces because the whole did not fit under the memory limit.
+  int64_t replay_pieces = 0;
   std::string capture_error;
 };
 
@@ -59,7 +117,7 @@ struct BlockStats {
 class BlockCall : public capture::RecorderListener, public std::enable_shared_from_this<BlockCall> {
  public:
   BlockCall(std::string name, const SessionOptions* options, const std::unordered_set<const void*>* param_storages,
-            std::vector<int8_t>* save_cache, size_t expected_ops);
+            std::vector<int8_t>* save_cache, size_t expected_ops, std::shared_ptr<StepMemory> memory);
   ~BlockCall() override;
 
   void start_forward();
@@ -103,8 +161,14 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   bool keep_by_policy(capture::ValueId v, int32_t state);
   void check_version(const Slot& s, int32_t slot) const;
   void check_live_versions(const PruneResult& plan) const;
+  /// Applies the memory limit to a replay of `targets` (the remaining dropped values): returns the targets to
+  /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when
+  /// even `wanted` alone cannot fit.
+  std::vector<Read> limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan);
 
   std::string name_;
+  std::shared_ptr<StepMemory> memory_;
+  int64_t forward_begin_ns_ = 0;
   const SessionOptions* options_;
   const std::unordered_set<const void*>* param_storages_;
   std::vector<int8_t>* save_cache_;
@@ -154,7 +218,9 @@ class Session {
   explicit Session(SessionOptions options);
   ~Session();
 
-  /// Starts a step; `param_storages` are the storages of the model's parameters and buffers (not activations).
+  /// Starts a step; `params` are the model's parameters and buffers (their storages are not activations; their
+  /// bytes and their gradients' are the step's memory baseline). Makes the step's memory counter active on this
+  /// thread until end_step(), which must run on the same thread.
   void begin_step(const std::vector<at::Tensor>& params);
   /// Ends the step: closes every block call (releasing memory) and keeps their stats. Never throws.
   void end_step() noexcept;
@@ -171,6 +237,14 @@ class Session {
   /// Replayed op counts of the last step, by op name.
   const std::unordered_map<std::string, int64_t>& last_replayed_by_name() const { return last_replayed_; }
   const SessionOptions& options() const { return options_; }
+  /// Memory of the last finished step.
+  const StepMemoryStats& last_memory() const { return last_memory_; }
+  void set_memory_limit(int64_t bytes);
+  /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
+  /// installed again by the next begin_step()). Never throws.
+  void shutdown() noexcept;
+  /// Bytes in use now as the limit sees them (baseline + the step's counter); 0 outside a step.
+  int64_t in_use() const { return memory_ ? memory_->in_use() : 0; }
 
  private:
   SessionOptions options_;
@@ -183,6 +257,11 @@ class Session {
   std::unordered_map<std::string, int64_t> last_replayed_;
   // Ops recorded per block name in the previous step: the recorder pre-sizes its tables from it.
   std::unordered_map<std::string, size_t> expected_ops_;
+  // Installed from the first step until the Session is destroyed (the counting CPU allocator layer).
+  std::unique_ptr<allocator::CountingAllocatorUse> allocator_use_;
+  std::shared_ptr<StepMemory> memory_;
+  std::optional<allocator::ScopedCounter> counter_scope_;
+  StepMemoryStats last_memory_;
 };
 
 }  // namespace tapesac::replay

@@ -1,0 +1,122 @@
+// Memory telemetry of the CPU allocator: a counting layer over torch's CPU allocator and the counters it feeds.
+//
+// Contract.
+//  * A MemoryCounter counts the CPU tensor allocations made on a thread while it is *active* there (a
+//    ScopedCounter on the stack), and the frees of exactly those allocations, on whatever thread they happen.
+//    Allocations made before, or on other threads, are not counted — neither when made nor when freed — so
+//    `current()` is "bytes allocated inside the scope and still alive" and `peak()` its maximum.
+//  * Scopes nest: a counter pushed while another is active counts into both (a MemoryMeter around a step sees
+//    what the step's own counter sees).
+//  * The counting layer is installed as torch's CPU allocator while at least one CountingAllocatorUse is alive
+//    and removed when the last one goes (if nobody replaced it in between). Allocations it made stay valid
+//    after removal: their deleter belongs to a process-lifetime object. Threads without an active counter get
+//    the inner allocator's own DataPtr unchanged (one thread-local load of overhead). A counted DataPtr keeps
+//    context == data, so raw_allocate()/raw_deallocate() (used by oneDNN) keep working; the deleter finds the
+//    counted allocation in a sharded table (one lock and one hash-map entry per counted allocation).
+//  * Each counter tracks gauges per phase (forward, backward, replay): bytes allocated in the phase, the
+//    counter's peak while in the phase, and bytes allocated in the phase still alive. With a timeline enabled
+//    it also keeps (time, bytes, phase) points, bounded: when full, adjacent pairs are merged keeping the
+//    larger value, so the peak is never lost.
+//  * Thread-safe: gauges are atomics; the timeline has a mutex (taken only when a timeline is enabled).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace tapesac::allocator {
+
+enum class Phase : uint8_t { kForward = 0, kBackward = 1, kReplay = 2 };
+constexpr int kNumPhases = 3;
+const char* phase_name(Phase p) noexcept;
+
+/// A snapshot of one gauge.
+struct Gauge {
+  int64_t current = 0;      // bytes allocated (in this phase) and still alive
+  int64_t peak = 0;         // the counter's peak while in this phase (for the whole counter: its peak)
+  int64_t allocated = 0;    // bytes allocated (in this phase), alive or not
+  int64_t allocations = 0;  // number of allocations
+};
+
+struct TimelinePoint {
+  int64_t t_ns = 0;   // since the counter was created
+  int64_t bytes = 0;  // the counter's current bytes after the event
+  Phase phase = Phase::kForward;
+};
+
+class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
+ public:
+  /// `timeline_points`: 0 disables the timeline; otherwise its bound (at least 64).
+  explicit MemoryCounter(size_t timeline_points = 0);
+
+  void on_alloc(int64_t bytes, Phase phase) noexcept;
+  void on_free(int64_t bytes, Phase alloc_phase) noexcept;
+
+  void set_phase(Phase p) noexcept;
+  Phase phase() const noexcept { return static_cast<Phase>(phase_.load(std::memory_order_relaxed)); }
+
+  Gauge total() const noexcept;
+  Gauge phase_gauge(Phase p) const noexcept;
+  int64_t current() const noexcept { return current_.load(std::memory_order_relaxed); }
+  int64_t peak() const noexcept { return peak_.load(std::memory_order_relaxed); }
+  /// Nanoseconds since construction (the timeline's clock).
+  int64_t elapsed_ns() const noexcept;
+  /// Starts a measurement window (one replay): window_peak() is the peak since, returned relative to `current()`
+  /// at the start. One window at a time per counter.
+  int64_t begin_window() noexcept;
+  int64_t window_peak() const noexcept { return window_peak_.load(std::memory_order_relaxed); }
+  /// Adds a point at the current level now (phase changes and block boundaries mark the timeline).
+  void mark() noexcept;
+  std::vector<TimelinePoint> timeline() const;
+
+  /// The counter that was active when this one was first pushed (nested scopes count into both).
+  const std::shared_ptr<MemoryCounter>& parent() const noexcept { return parent_; }
+
+ private:
+  friend class ScopedCounter;
+  struct PhaseAtomics {
+    std::atomic<int64_t> current{0}, peak{0}, allocated{0}, allocations{0};
+  };
+  void record(int64_t bytes) noexcept;
+
+  std::shared_ptr<MemoryCounter> parent_;
+  std::atomic<int64_t> current_{0}, peak_{0}, allocated_{0}, allocations_{0}, window_peak_{0};
+  std::array<PhaseAtomics, kNumPhases> phases_;
+  std::atomic<uint8_t> phase_{0};
+  int64_t start_ns_;
+  size_t max_points_;
+  mutable std::mutex timeline_mu_;
+  std::vector<TimelinePoint> points_;
+};
+
+/// Keeps the counting layer installed as torch's CPU allocator while alive (reference counted).
+class CountingAllocatorUse {
+ public:
+  CountingAllocatorUse();
+  ~CountingAllocatorUse();
+  CountingAllocatorUse(const CountingAllocatorUse&) = delete;
+  CountingAllocatorUse& operator=(const CountingAllocatorUse&) = delete;
+  /// Whether the counting layer is torch's CPU allocator right now.
+  static bool installed() noexcept;
+};
+
+/// Makes `counter` active on this thread for the scope (LIFO). Requires a CountingAllocatorUse to count.
+class ScopedCounter {
+ public:
+  explicit ScopedCounter(std::shared_ptr<MemoryCounter> counter);
+  ~ScopedCounter();
+  ScopedCounter(const ScopedCounter&) = delete;
+  ScopedCounter& operator=(const ScopedCounter&) = delete;
+
+ private:
+  std::shared_ptr<MemoryCounter> counter_;
+  MemoryCounter* previous_;
+};
+
+/// The innermost counter active on this thread (nullptr when none).
+MemoryCounter* active_counter() noexcept;
+
+}  // namespace tapesac::allocator

@@ -1,0 +1,269 @@
+// The counting CPU allocator layer and MemoryCounter (see telemetry.h for the contract).
+#include "tapesac/allocator/telemetry.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <unordered_map>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+namespace tapesac::allocator {
+namespace {
+
+int64_t now_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void atomic_max(std::atomic<int64_t>& a, int64_t v) noexcept {
+  int64_t cur = a.load(std::memory_order_relaxed);
+  while (v > cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+  }
+}
+
+thread_local MemoryCounter* tls_active = nullptr;
+
+// Deepest nesting whose per-phase gauges are kept exactly (deeper counters still count totals).
+constexpr int kMaxChain = 4;
+
+// What a counted allocation carries to its deleter: the inner allocator's DataPtr (which frees the bytes), the
+// counter that saw the allocation (keeping its parent chain alive) and the phase of each counter in the chain.
+struct CountedContext {
+  c10::DataPtr inner;
+  std::shared_ptr<MemoryCounter> counter;
+  int64_t bytes = 0;
+  std::array<Phase, kMaxChain> phases{};
+};
+
+// Counted allocations by data pointer. A counted DataPtr has context == data (like the default CPU allocator's),
+// so Allocator::raw_allocate()/raw_deallocate() keep working (oneDNN's ideep allocates through them); the
+// deleter finds the rest here. Sharded to keep the lock uncontended across threads.
+class CountedTable {
+ public:
+  void insert(void* data, CountedContext ctx) {
+    Shard& sh = shard(data);
+    std::lock_guard<std::mutex> lock(sh.mu);
+    sh.map.emplace(data, std::move(ctx));
+  }
+  bool take(void* data, CountedContext& out) {
+    Shard& sh = shard(data);
+    std::lock_guard<std::mutex> lock(sh.mu);
+    auto it = sh.map.find(data);
+    if (it == sh.map.end()) return false;
+    out = std::move(it->second);
+    sh.map.erase(it);
+    return true;
+  }
+
+ private:
+  struct Shard {
+    std::mutex mu;
+    std::unordered_map<void*, CountedContext> map;
+  };
+  Shard& shard(void* p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 6) % kShards]; }
+  static constexpr size_t kShards = 64;
+  std::array<Shard, kShards> shards_;
+};
+
+CountedTable& counted_table() {
+  static auto* table = new CountedTable();  // process lifetime, like the allocator
+  return *table;
+}
+
+// The inner allocator's raw deleter (nullptr when it has none), for pointers the layer did not count.
+std::atomic<c10::DeleterFnPtr> inner_raw_deleter{nullptr};
+
+void delete_counted(void* data) {
+  CountedContext ctx;
+  if (!counted_table().take(data, ctx)) {
+    // Not counted: allocated by the inner allocator directly (pass-through or before the layer was installed)
+    // and freed through raw_deallocate() while the layer is installed.
+    c10::DeleterFnPtr inner = inner_raw_deleter.load();
+    if (inner != nullptr) inner(data);
+    return;
+  }
+  int depth = 0;
+  for (MemoryCounter* c = ctx.counter.get(); c != nullptr; c = c->parent().get(), ++depth) {
+    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[depth] : c->phase());
+  }
+  // ctx.inner goes out of scope here: the inner allocator frees the bytes.
+}
+
+// Installed as torch's CPU allocator; forwards to the allocator it replaced.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = inner_->allocate(n);
+    MemoryCounter* active = tls_active;
+    if (active == nullptr || inner.get() == nullptr) {
+      return inner;
+    }
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    CountedContext ctx{std::move(inner), active->shared_from_this(), static_cast<int64_t>(n), {}};
+    int depth = 0;
+    for (MemoryCounter* c = active; c != nullptr; c = c->parent().get(), ++depth) {
+      const Phase p = c->phase();
+      if (depth < kMaxChain) ctx.phases[static_cast<size_t>(depth)] = p;
+      c->on_alloc(ctx.bytes, p);
+    }
+    counted_table().insert(data, std::move(ctx));
+    return c10::DataPtr(data, data, &delete_counted, device);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return inner_raw_deleter.load() != nullptr ? &delete_counted : nullptr;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    if (count > 0) std::memcpy(dest, src, count);
+  }
+
+  void install() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (uses_++ > 0) return;
+    c10::Allocator* current = c10::GetCPUAllocator();
+    if (current == this) return;  // left installed by a use that could not uninstall (see below)
+    inner_ = current;
+    inner_raw_deleter.store(current->raw_deleter());
+    // Priority 255: only an allocator registered with the top priority could override ours.
+    c10::SetCPUAllocator(this, /*priority=*/255);
+  }
+
+  void uninstall() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--uses_ > 0) return;
+    // Someone else may have installed an allocator over ours: then leave theirs (it may forward to us).
+    if (c10::GetCPUAllocator() == this) c10::SetCPUAllocator(inner_, /*priority=*/255);
+  }
+
+  bool is_installed() const noexcept { return c10::GetCPUAllocator() == this; }
+
+ private:
+  std::mutex mu_;
+  int uses_ = 0;
+  c10::Allocator* inner_ = nullptr;
+};
+
+// Process lifetime (never destroyed): counted allocations may outlive every user of the layer.
+CountingCpuAllocator& counting_allocator() {
+  static auto* alloc = new CountingCpuAllocator();
+  return *alloc;
+}
+
+}  // namespace
+
+const char* phase_name(Phase p) noexcept {
+  switch (p) {
+    case Phase::kForward: return "forward";
+    case Phase::kBackward: return "backward";
+    case Phase::kReplay: return "replay";
+  }
+  return "?";
+}
+
+MemoryCounter::MemoryCounter(size_t timeline_points)
+    : start_ns_(now_ns()), max_points_(timeline_points == 0 ? 0 : std::max<size_t>(timeline_points, 64)) {
+  if (max_points_ > 0) points_.reserve(std::min<size_t>(max_points_, 4096));
+}
+
+void MemoryCounter::on_alloc(int64_t bytes, Phase phase) noexcept {
+  int64_t cur = current_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  atomic_max(peak_, cur);
+  atomic_max(window_peak_, cur);
+  allocated_.fetch_add(bytes, std::memory_order_relaxed);
+  allocations_.fetch_add(1, std::memory_order_relaxed);
+  auto& g = phases_[static_cast<int>(phase)];
+  g.current.fetch_add(bytes, std::memory_order_relaxed);
+  g.allocated.fetch_add(bytes, std::memory_order_relaxed);
+  g.allocations.fetch_add(1, std::memory_order_relaxed);
+  atomic_max(phases_[static_cast<int>(this->phase())].peak, cur);
+  if (max_points_ > 0) record(cur);
+}
+
+void MemoryCounter::on_free(int64_t bytes, Phase alloc_phase) noexcept {
+  int64_t cur = current_.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
+  phases_[static_cast<int>(alloc_phase)].current.fetch_sub(bytes, std::memory_order_relaxed);
+  if (max_points_ > 0) record(cur);
+}
+
+void MemoryCounter::set_phase(Phase p) noexcept {
+  phase_.store(static_cast<uint8_t>(p), std::memory_order_relaxed);
+  atomic_max(phases_[static_cast<int>(p)].peak, current());
+  if (max_points_ > 0) record(current());
+}
+
+int64_t MemoryCounter::begin_window() noexcept {
+  const int64_t cur = current();
+  window_peak_.store(cur, std::memory_order_relaxed);
+  return cur;
+}
+
+void MemoryCounter::mark() noexcept {
+  if (max_points_ > 0) record(current());
+}
+
+void MemoryCounter::record(int64_t bytes) noexcept {
+  TimelinePoint p{now_ns() - start_ns_, bytes, phase()};
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  try {
+    if (points_.size() >= max_points_) {
+      // Merge adjacent pairs, keeping the larger level (and the later time of the pair's phase change).
+      size_t out = 0;
+      for (size_t i = 0; i + 1 < points_.size(); i += 2) {
+        const TimelinePoint& a = points_[i];
+        const TimelinePoint& b = points_[i + 1];
+        points_[out++] = a.bytes >= b.bytes ? a : b;
+      }
+      if (points_.size() % 2 == 1) points_[out++] = points_.back();
+      points_.resize(out);
+    }
+    points_.push_back(p);
+  } catch (...) {
+    // Out of memory while growing the timeline: drop the point (telemetry never fails an allocation).
+  }
+}
+
+Gauge MemoryCounter::total() const noexcept {
+  return Gauge{current_.load(std::memory_order_relaxed), peak_.load(std::memory_order_relaxed),
+               allocated_.load(std::memory_order_relaxed), allocations_.load(std::memory_order_relaxed)};
+}
+
+Gauge MemoryCounter::phase_gauge(Phase p) const noexcept {
+  const auto& g = phases_[static_cast<int>(p)];
+  return Gauge{g.current.load(std::memory_order_relaxed), g.peak.load(std::memory_order_relaxed),
+               g.allocated.load(std::memory_order_relaxed), g.allocations.load(std::memory_order_relaxed)};
+}
+
+int64_t MemoryCounter::elapsed_ns() const noexcept { return now_ns() - start_ns_; }
+
+std::vector<TimelinePoint> MemoryCounter::timeline() const {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  return points_;
+}
+
+CountingAllocatorUse::CountingAllocatorUse() { counting_allocator().install(); }
+CountingAllocatorUse::~CountingAllocatorUse() { counting_allocator().uninstall(); }
+bool CountingAllocatorUse::installed() noexcept { return counting_allocator().is_installed(); }
+
+ScopedCounter::ScopedCounter(std::shared_ptr<MemoryCounter> counter)
+    : counter_(std::move(counter)), previous_(tls_active) {
+  if (previous_ != nullptr && !counter_->parent_ && previous_ != counter_.get()) {
+    // Never create a cycle: only adopt a parent chain that does not contain this counter.
+    bool cycle = false;
+    for (MemoryCounter* c = previous_; c != nullptr; c = c->parent().get()) cycle |= (c == counter_.get());
+    if (!cycle) counter_->parent_ = previous_->shared_from_this();
+  }
+  tls_active = counter_.get();
+}
+
+ScopedCounter::~ScopedCounter() {
+  // Scopes end in LIFO order on their thread; one that ends out of order leaves the inner scope active.
+  if (tls_active == counter_.get()) tls_active = previous_;
+}
+
+MemoryCounter* active_counter() noexcept { return tls_active; }
+
+}  // namespace tapesac::allocator

@@ -1,0 +1,83 @@
+// Bindings of allocator/: the MemoryMeter used by tapesac.MemoryMeter (a counter made active on the calling thread
+// between start() and stop()), and the conversion of gauges and timelines to Python objects.
+#include <optional>
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "bindings.h"
+#include "tapesac/allocator/limit.h"
+#include "tapesac/allocator/telemetry.h"
+#include "tapesac/capture/errors.h"
+#ifdef TAPESAC_WITH_CUDA
+#include "tapesac/cuda/arena.h"
+#endif
+
+namespace py = pybind11;
+
+namespace tapesac::python {
+namespace {
+
+using allocator::CountingAllocatorUse;
+using allocator::MemoryCounter;
+using allocator::ScopedCounter;
+
+class MemoryMeter {
+ public:
+  void start() {
+    TAPESAC_CHECK(!scope_, kGeneric, "tapesac: MemoryMeter.start() called twice; use one meter per `with` block");
+    use_ = std::make_unique<CountingAllocatorUse>();
+    counter_ = std::make_shared<MemoryCounter>(0);
+    scope_.emplace(counter_);
+  }
+  void stop() {
+    scope_.reset();
+    use_.reset();
+  }
+  allocator::Gauge gauge() const { return counter_ ? counter_->total() : allocator::Gauge{}; }
+
+ private:
+  std::unique_ptr<CountingAllocatorUse> use_;
+  std::shared_ptr<MemoryCounter> counter_;
+  std::optional<ScopedCounter> scope_;
+};
+
+}  // namespace
+
+py::dict gauge_to_dict(const allocator::Gauge& g) {
+  py::dict d;
+  d["current"] = g.current;
+  d["peak"] = g.peak;
+  d["allocated"] = g.allocated;
+  d["allocations"] = g.allocations;
+  return d;
+}
+
+void bind_allocator(py::module_& m) {
+  py::class_<MemoryMeter>(m, "MemoryMeter")
+      .def(py::init<>())
+      .def("start", &MemoryMeter::start)
+      .def("stop", &MemoryMeter::stop)
+      .def("gauge", [](const MemoryMeter& mm) { return gauge_to_dict(mm.gauge()); });
+  m.def("counting_allocator_installed", &CountingAllocatorUse::installed,
+        "Whether tapesac's counting layer is torch's CPU allocator now.");
+  m.def("format_bytes", &allocator::format_bytes);
+  m.def(
+      "device_memory",
+      [](int device) {
+#ifdef TAPESAC_WITH_CUDA
+        const auto dm = cuda::device_memory(device);
+        py::dict d;
+        d["allocated_current"] = dm.allocated_current;
+        d["allocated_peak"] = dm.allocated_peak;
+        d["reserved_current"] = dm.reserved_current;
+        d["reserved_peak"] = dm.reserved_peak;
+        return py::object(d);
+#else
+        (void)device;
+        return py::object(py::none());
+#endif
+      },
+      py::arg("device"), "The caching allocator's aggregate byte statistics of a CUDA device (None without CUDA).");
+}
+
+}  // namespace tapesac::python

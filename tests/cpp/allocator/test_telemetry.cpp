@@ -1,0 +1,166 @@
+// Tests of the counting CPU allocator layer and MemoryCounter (allocator/telemetry.h) with real torch tensors.
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <gtest/gtest.h>
+
+#include "tapesac/allocator/telemetry.h"
+
+namespace tapesac::allocator {
+namespace {
+
+TEST(CountingAllocator, InstalledWhileUsedAndRestoredAfter) {
+  c10::Allocator* before = c10::GetCPUAllocator();
+  {
+    CountingAllocatorUse use;
+    EXPECT_TRUE(CountingAllocatorUse::installed());
+    {
+      CountingAllocatorUse nested;
+      EXPECT_TRUE(CountingAllocatorUse::installed());
+    }
+    EXPECT_TRUE(CountingAllocatorUse::installed());
+  }
+  EXPECT_FALSE(CountingAllocatorUse::installed());
+  EXPECT_EQ(c10::GetCPUAllocator(), before);
+}
+
+TEST(CountingAllocator, CountsExactBytesOfScopedAllocationsAndTheirFrees) {
+  CountingAllocatorUse use;
+  auto counter = std::make_shared<MemoryCounter>();
+  at::Tensor outside = at::empty({100}, at::kFloat);  // not counted: no scope yet
+  {
+    ScopedCounter scope(counter);
+    at::Tensor a = at::empty({1000}, at::kFloat);  // 4000 bytes
+    at::Tensor b = at::empty({250}, at::kDouble);  // 2000 bytes
+    EXPECT_EQ(counter->current(), 6000);
+    a.reset();
+    EXPECT_EQ(counter->current(), 2000);
+    outside.reset();  // freeing an uncounted tensor changes nothing
+    EXPECT_EQ(counter->current(), 2000);
+  }
+  EXPECT_EQ(counter->current(), 0);
+  EXPECT_EQ(counter->peak(), 6000);
+  EXPECT_EQ(counter->total().allocated, 6000);
+  EXPECT_EQ(counter->total().allocations, 2);
+}
+
+TEST(CountingAllocator, NestedScopesCountIntoBoth) {
+  CountingAllocatorUse use;
+  auto outer = std::make_shared<MemoryCounter>();
+  auto inner = std::make_shared<MemoryCounter>();
+  ScopedCounter s1(outer);
+  at::Tensor a = at::empty({10}, at::kFloat);
+  {
+    ScopedCounter s2(inner);
+    at::Tensor b = at::empty({20}, at::kFloat);
+    EXPECT_EQ(inner->current(), 80);
+    EXPECT_EQ(outer->current(), 120);
+  }
+  EXPECT_EQ(inner->current(), 0);
+  EXPECT_EQ(outer->current(), 40);
+  EXPECT_EQ(outer->peak(), 120);
+}
+
+TEST(CountingAllocator, FreeOnAnotherThreadIsCounted) {
+  CountingAllocatorUse use;
+  auto counter = std::make_shared<MemoryCounter>();
+  at::Tensor t;
+  {
+    ScopedCounter scope(counter);
+    t = at::empty({256}, at::kFloat);
+  }
+  EXPECT_EQ(counter->current(), 1024);
+  std::thread([&t] { t.reset(); }).join();
+  EXPECT_EQ(counter->current(), 0);
+}
+
+TEST(CountingAllocator, OtherThreadsAreNotCounted) {
+  CountingAllocatorUse use;
+  auto counter = std::make_shared<MemoryCounter>();
+  ScopedCounter scope(counter);
+  std::thread([] { at::Tensor t = at::empty({1000}, at::kFloat); }).join();
+  EXPECT_EQ(counter->total().allocated, 0);
+}
+
+TEST(CountingAllocator, CountedMemoryOutlivesTheLayer) {
+  auto counter = std::make_shared<MemoryCounter>();
+  at::Tensor t;
+  {
+    CountingAllocatorUse use;
+    ScopedCounter scope(counter);
+    t = at::ones({64}, at::kFloat);
+  }
+  EXPECT_FALSE(CountingAllocatorUse::installed());
+  EXPECT_EQ(t.sum().item<float>(), 64.0f);
+  t.reset();  // freed through the layer's deleter after the layer was removed
+  EXPECT_EQ(counter->current(), 0);
+}
+
+TEST(CountingAllocator, RawAllocateAndDeallocateWork) {
+  // oneDNN allocates through raw_allocate()/raw_deallocate(): a counted DataPtr must keep context == data.
+  CountingAllocatorUse use;
+  auto counter = std::make_shared<MemoryCounter>();
+  c10::Allocator* alloc = c10::GetCPUAllocator();
+  ASSERT_NE(alloc->raw_deleter(), nullptr);
+  void* uncounted = alloc->raw_allocate(128);
+  {
+    ScopedCounter scope(counter);
+    void* p = alloc->raw_allocate(512);
+    EXPECT_EQ(counter->current(), 512);
+    alloc->raw_deallocate(p);
+    EXPECT_EQ(counter->current(), 0);
+  }
+  alloc->raw_deallocate(uncounted);  // made without a counter: goes to the inner allocator's deleter
+}
+
+TEST(MemoryCounter, PhasesAttributeAllocationsAndFrees) {
+  CountingAllocatorUse use;
+  auto counter = std::make_shared<MemoryCounter>();
+  ScopedCounter scope(counter);
+  counter->set_phase(Phase::kForward);
+  at::Tensor f = at::empty({100}, at::kFloat);
+  counter->set_phase(Phase::kReplay);
+  at::Tensor r = at::empty({50}, at::kFloat);
+  counter->set_phase(Phase::kBackward);
+  f.reset();  // freed in backward, but allocated in forward: forward's alive bytes drop
+  const Gauge fw = counter->phase_gauge(Phase::kForward);
+  const Gauge rp = counter->phase_gauge(Phase::kReplay);
+  EXPECT_EQ(fw.allocated, 400);
+  EXPECT_EQ(fw.current, 0);
+  EXPECT_EQ(fw.peak, 400);
+  EXPECT_EQ(rp.allocated, 200);
+  EXPECT_EQ(rp.current, 200);
+  EXPECT_EQ(rp.peak, 600);
+  EXPECT_EQ(counter->phase_gauge(Phase::kBackward).allocated, 0);
+}
+
+TEST(MemoryCounter, WindowPeakIsRelativeToItsStart) {
+  CountingAllocatorUse use;
+  auto counter = std::make_shared<MemoryCounter>();
+  ScopedCounter scope(counter);
+  at::Tensor a = at::empty({1000}, at::kFloat);
+  const int64_t start = counter->begin_window();
+  { at::Tensor b = at::empty({10}, at::kFloat); }
+  EXPECT_EQ(counter->window_peak() - start, 40);
+}
+
+TEST(MemoryCounter, TimelineIsBoundedAndKeepsThePeak) {
+  auto counter = std::make_shared<MemoryCounter>(/*timeline_points=*/64);
+  int64_t peak = 0;
+  for (int i = 0; i < 1000; ++i) {
+    const int64_t n = (i == 617) ? 1 << 20 : 8 + (i % 7);
+    counter->on_alloc(n, Phase::kForward);
+    peak = std::max(peak, counter->current());
+    counter->on_free(n, Phase::kForward);
+  }
+  const auto points = counter->timeline();
+  EXPECT_LE(points.size(), 64u);
+  int64_t seen = 0;
+  for (const auto& p : points) seen = std::max(seen, p.bytes);
+  EXPECT_EQ(seen, peak);
+  for (size_t i = 1; i < points.size(); ++i) EXPECT_LE(points[i - 1].t_ns, points[i].t_ns);
+}
+
+}  // namespace
+}  // namespace tapesac::allocator

@@ -1,0 +1,308 @@
+"""Memory telemetry (issue 3): the counting CPU allocator against torch.profiler, limit enforcement during replay,
+no leak over 200 steps, MemoryMeter, the report's JSON / table / plot, the JSON-lines log and its CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import models as M
+from conftest import assert_same_grads
+
+
+@pytest.fixture
+def tapesac():
+    import tapesac as mod
+
+    return mod
+
+
+def stack(n: int = 2) -> M.Stack:
+    torch.manual_seed(0)
+    return M.Stack([M.MLPBlock() for _ in range(n)])
+
+
+def x_in() -> torch.Tensor:
+    return torch.randn(M.B, M.T, M.D, requires_grad=True)
+
+
+def _qwen():
+    from tapesac.models import tiny_qwen3
+
+    torch.manual_seed(0)
+    return tiny_qwen3()
+
+
+def _tokens(batch=2, seq=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 259, (batch, seq), generator=g)
+
+
+def _lm_step(model, x):
+    model(input_ids=x, labels=x).loss.backward()
+
+
+def _profiler_peak(prof) -> int:
+    """Peak of the cumulative CPU allocations the profiler saw (its memory events, in time order)."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
+    assert events, "the profiler recorded no memory events"
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.parametrize("policy", ["full", "none", {"aten::mm", "aten::addmm"}])
+@pytest.mark.parametrize("which", ["qwen3", "stack"])
+def test_peak_agrees_with_profiler(tapesac, policy, which) -> None:
+    if which == "qwen3":
+        model, run = _qwen(), (lambda m: _lm_step(m, _tokens(4, 128)))
+        blocks = "model.layers.*"
+    else:
+        torch.manual_seed(0)
+        model, blocks = stack(), "blocks.*"
+        x = x_in()
+        run = lambda m: m(x).square().mean().backward()  # noqa: E731
+    sac = tapesac.TapeSAC(model, blocks=blocks, policy=policy)
+    with sac.step():  # warm-up: first-call allocations (caches) stay out of the measured step
+        run(model)
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with sac.step():
+            run(model)
+    ours = sac.last_step.memory.peak_above_baseline_bytes
+    theirs = _profiler_peak(prof)
+    assert ours > 0
+    assert abs(ours - theirs) <= 0.01 * theirs, f"tapesac peak {ours} vs profiler {theirs}"
+    sac.close()
+
+
+def test_full_keeps_less_than_none(tapesac) -> None:
+    model = _qwen()
+    x = _tokens(4, 128)
+    peaks = {}
+    for policy in ("none", "full"):
+        sac = tapesac.TapeSAC(model, policy=policy)
+        with sac.step():
+            _lm_step(model, x)
+        model.zero_grad(set_to_none=True)
+        peaks[policy] = sac.last_step.memory
+        sac.close()
+    assert peaks["full"].peak_bytes < peaks["none"].peak_bytes
+    assert peaks["full"].phases["replay"].allocated_bytes > 0
+    assert peaks["none"].phases["replay"].allocated_bytes == 0
+    # The baseline is the parameters and buffers (no gradients exist at the first step).
+    param_bytes = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+    assert peaks["full"].baseline_bytes == param_bytes
+
+
+def test_replay_working_set_prediction_matches_measurement(tapesac) -> None:
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, policy="full")
+    with sac.step():
+        _lm_step(model, _tokens(4, 128))
+    for b in sac.last_step.blocks:
+        assert b.replays == 1
+        assert b.predicted_replay_bytes > 0
+        # Kernel workspaces are not in the prediction; on these CPU kernels there are none beyond their outputs.
+        assert abs(b.replay_peak_bytes - b.predicted_replay_bytes) <= 0.05 * b.predicted_replay_bytes, b
+    mem = sac.last_step.memory
+    assert mem.arena_bytes == max(b.replay_peak_bytes for b in sac.last_step.blocks)
+    assert mem.arena_separate_bytes == sum(b.replay_peak_bytes for b in sac.last_step.blocks)
+    sac.close()
+
+
+def test_impossible_limit_raises_with_numbers_and_next_step_works(tapesac) -> None:
+    model = _qwen()
+    ref = copy.deepcopy(model)
+    x = _tokens()
+    sac = tapesac.TapeSAC(model, policy="full", memory_limit=1_000_000)
+    with pytest.raises(tapesac.MemoryLimitError) as ei:
+        with sac.step():
+            _lm_step(model, x)
+    msg = str(ei.value)
+    assert "1000000 bytes" in msg and "model.layers." in msg and "backward" in msg and "at least" in msg, msg
+    # Nothing is left behind: the same instance runs a correct step once the limit is lifted.
+    model.zero_grad(set_to_none=True)
+    sac.memory_limit = None
+    assert sac.memory_limit is None
+    with sac.step():
+        _lm_step(model, x)
+    _lm_step(ref, x)
+    assert_same_grads(model, ref)
+    sac.close()
+
+
+def test_tight_limit_replays_in_pieces_and_stays_exact(tapesac) -> None:
+    model = _qwen()
+    ref = copy.deepcopy(model)
+    x = _tokens(4, 128)
+    sac = tapesac.TapeSAC(model, policy="full")
+    with sac.step():
+        _lm_step(model, x)
+    first = sac.last_step
+    free = first.memory
+    whole = max(b.predicted_replay_bytes for b in first.blocks)
+    model.zero_grad(set_to_none=True)
+    # Just under what the whole replay of the last block needs on top of what is in use when it starts.
+    sac.memory_limit = free.peak_bytes - whole // 2
+    with sac.step():
+        _lm_step(model, x)
+    st = sac.last_step
+    assert st.memory.replay_pieces > 0 and st.replay_pieces == st.memory.replay_pieces
+    assert st.replays > first.replays
+    split = [b for b in st.blocks if b.replay_pieces > 0]
+    assert split and all(b.replay_peak_bytes < whole for b in split), st.blocks
+    _lm_step(ref, x)
+    assert_same_grads(model, ref)
+    sac.close()
+
+
+def test_memory_limit_forms(tapesac) -> None:
+    parse = tapesac.parse_memory_limit
+    assert parse(None) is None
+    assert parse(123) == 123
+    assert parse("20GiB") == 20 * 2**30
+    assert parse("1.5 GB") == 1_500_000_000
+    assert parse("512MiB") == 512 * 2**20
+    assert parse("1e9") == 1_000_000_000
+    from tapesac.memory import physical_memory_bytes
+
+    assert parse("50%") == physical_memory_bytes() // 2
+    for bad in ("-1GiB", "20 parsecs", "0", "150%", 0, -5, 1.5, True, [1], "GiB"):
+        with pytest.raises(tapesac.ConfigError) as ei:
+            parse(bad)
+        assert "memory_limit" in str(ei.value)
+
+
+def test_flat_peak_over_200_steps(tapesac) -> None:
+    model = _qwen()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sac = tapesac.TapeSAC(model, policy="full")
+    x = _tokens(2, 32)
+    for _ in range(200):
+        with sac.step():
+            _lm_step(model, x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peaks = [s.memory.peak_bytes for s in sac.history]
+    ends = [s.memory.end_bytes for s in sac.history]
+    assert len(peaks) == 200
+    # Every step allocates the same tensors: the peak and what a step leaves alive (the gradients) never grow.
+    assert max(peaks[1:]) == min(peaks[1:]), (min(peaks[1:]), max(peaks[1:]))
+    assert max(ends) == min(ends)
+    sac.close()
+
+
+def test_memory_meter_counts_exactly_and_nests(tapesac) -> None:
+    with tapesac.MemoryMeter() as outer:
+        a = torch.empty(1000)  # 4000 bytes
+        with tapesac.MemoryMeter() as inner:
+            b = torch.empty(500, dtype=torch.float64)  # 4000 bytes
+            del b
+        assert inner.peak_bytes == 4000 and inner.current_bytes == 0 and inner.allocated_bytes == 4000
+        assert outer.current_bytes == 4000
+    assert outer.peak_bytes == 8000
+    del a
+    assert outer.current_bytes == 0  # frees after the block still reach the meter
+    with pytest.raises(tapesac.ConfigError):
+        tapesac.MemoryMeter(device="meta")
+
+
+def test_memory_meter_around_a_step_sees_the_step_peak(tapesac) -> None:
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, policy="full")
+    x = _tokens()
+    with sac.step():
+        _lm_step(model, x)
+    model.zero_grad(set_to_none=True)
+    with tapesac.MemoryMeter() as m:
+        with sac.step():
+            _lm_step(model, x)
+    assert m.peak_bytes == sac.last_step.memory.peak_above_baseline_bytes
+    sac.close()
+
+
+def test_counting_allocator_removed_after_close(tapesac) -> None:
+    from tapesac import _C
+
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, policy="full")
+    with sac.step():
+        _lm_step(model, _tokens())
+    assert _C.counting_allocator_installed()
+    sac.close()
+    assert not _C.counting_allocator_installed()
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_json_round_trip_pretty_and_plot(tapesac, tmp_path) -> None:
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, policy="full")
+    for _ in range(2):
+        with sac.step():
+            _lm_step(model, _tokens())
+        model.zero_grad(set_to_none=True)
+    rep = sac.report()
+    from tapesac.report import SCHEMA_VERSION
+
+    assert rep.schema_version == SCHEMA_VERSION
+    back = tapesac.StepReport.from_dict(json.loads(rep.to_json(tmp_path / "r.json")))
+    assert back == rep
+    assert json.loads((tmp_path / "r.json").read_text())["last"]["memory"]["peak_bytes"] == rep.last["memory"]["peak_bytes"]
+    text = rep.pretty()
+    for word in ("step peak", "baseline", "forward", "backward", "replay", "model.layers.0"):
+        assert word in text, text
+    assert rep.timeline["points"] and rep.timeline["spans"]
+    w, h = _png_size(rep.plot(tmp_path / "r.png"))
+    assert w > 300 and h > 300
+    with pytest.raises(tapesac.ConfigError):
+        tapesac.StepReport.from_dict({**rep.to_dict(), "schema_version": 999})
+    sac.close()
+
+
+def test_jsonl_log_and_report_cli(tapesac, tmp_path, capsys) -> None:
+    from tapesac import cli
+
+    model = _qwen()
+    logs = []
+    for policy in ("none", "full"):
+        log = tmp_path / f"{policy}.jsonl"
+        sac = tapesac.TapeSAC(model, policy=policy, log=log)
+        for _ in range(3):
+            with sac.step():
+                _lm_step(model, _tokens())
+            model.zero_grad(set_to_none=True)
+        sac.close()
+        lines = log.read_text().splitlines()
+        assert len(lines) == 3
+        rec = json.loads(lines[-1])
+        assert rec["kind"] == "step" and rec["policy"] == policy and rec["memory"]["peak_bytes"] > 0
+        logs.append(log)
+    assert tapesac.StepReport.from_jsonl(logs[0]).steps == 3
+    png = tmp_path / "cmp.png"
+    assert cli.main(["report", str(logs[0]), str(logs[1]), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "policy 'none'" in out and "policy 'full'" in out and "step peak" in out
+    _png_size(png)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert cli.main(["report", str(bad)]) == 2
+    with pytest.raises(tapesac.ConfigError):
+        tapesac.TapeSAC(model, log=tmp_path / "missing-dir" / "x.jsonl")
+    with pytest.raises(tapesac.ConfigError):
+        tapesac.TapeSAC(model, log=123)

@@ -39,6 +39,7 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["replay_peak_bytes"] = s.replay_peak_bytes;
   d["predicted_replay_bytes"] = s.predicted_replay_bytes;
   d["replay_pieces"] = s.replay_pieces;
+  d["planned"] = s.planned;
   d["capture_error"] = s.capture_error;
   return d;
 }
@@ -86,8 +87,11 @@ void bind_replay(py::module_& m) {
                  py::gil_scoped_acquire gil;
                  return fn(name).cast<bool>();
                };
+             } else if (policy == "plan") {
+               o.policy = PolicyKind::kPlan;
              } else {
-               TAPESAC_CHECK(false, kConfig, "unknown policy '", policy, "'; expected 'none', 'full' or 'save_ops'");
+               TAPESAC_CHECK(false, kConfig, "unknown policy '", policy,
+                             "'; expected 'none', 'full', 'save_ops' or 'plan'");
              }
              o.check_versions = check_versions;
              o.check_metadata = check_metadata;

@@ -11,6 +11,7 @@ void bind_errors(pybind11::module_& m);
 void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
 void bind_allocator(pybind11::module_& m);
+void bind_planner(pybind11::module_& m);
 
 /// {current, peak, allocated, allocations} of a gauge.
 pybind11::dict gauge_to_dict(const allocator::Gauge& g);

@@ -27,7 +27,7 @@ from .memory import MemoryStats, parse_memory_limit
 
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
-POLICIES = ("none", "full")
+POLICIES = ("none", "full", "auto")
 BACKENDS = ("auto", "eager")
 CONTRACTS = ("check", "strict", "off")
 
@@ -76,6 +76,7 @@ class BlockStats(_Counts):
     name: str
     replay_peak_bytes: int = 0
     predicted_replay_bytes: int = 0
+    planned: bool = False
     capture_error: str = ""
 
 
@@ -233,7 +234,11 @@ class TapeSAC:
         policy: ``"full"`` (keep only block inputs and opaque tensors; replay the rest on demand), ``"none"`` (keep
             everything; only record and measure), a set of op names whose outputs are kept (``{"aten::mm"}``,
             ``torch.ops.aten.mm``, ``torch.ops.aten.mm.default``), or a callable ``f(op_name) -> bool`` (True keeps;
-            called once per distinct op overload).
+            called once per distinct op overload), or ``"auto"``: the planner keeps the values whose replay costs
+            the most time per byte, so that the predicted step peak stays under ``memory_limit`` (the first step
+            runs ``"full"`` while measuring op times and the peak; the plan applies from the second step and is
+            redone when a tape changes or a measured peak exceeds the limit). Default: ``"auto"`` with a
+            ``memory_limit``, else ``"full"``.
         memory_limit: the step-peak limit: bytes (int), a size (``"20GiB"``, ``"512MB"``) or a percentage of the
             device's memory (``"90%"``; on CPU of physical RAM). Enforced during replay: a replay that would not fit
             runs in pieces, and one that cannot fit raises MemoryLimitError. With a limit, the default policy is
@@ -286,6 +291,18 @@ class TapeSAC:
         self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
                                    memory_limit=limit or 0, arena_pool=arena,
                                    arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0)
+        self._planner = None
+        self._limit = limit or 0
+        self._model_error = 0
+        self._plan: dict[str, Any] | None = None
+        self._plans: list[dict[str, Any]] = []
+        if self._policy_label == "auto":
+            if limit is None:
+                raise ConfigError(
+                    "policy='auto' plans under a memory limit: pass memory_limit (bytes, e.g. '20GiB', or '90%' of "
+                    "the device's memory), or use policy='full' / 'none' without one"
+                )
+            self._planner = _C.AutoPlanner(self._session)
         self._log_path = Path(log) if log is not None else None
         if self._log_path is not None:
             try:
@@ -303,13 +320,10 @@ class TapeSAC:
     @staticmethod
     def _normalize_policy(policy: Any) -> tuple[str, str, Any]:
         if isinstance(policy, str):
+            if policy == "auto":
+                return "auto", "plan", None
             if policy in POLICIES:
                 return policy, policy, None
-            if policy == "auto":
-                raise ConfigError(
-                    "policy='auto' needs the memory planner, which is not available yet; use policy='full' (lowest "
-                    "memory), 'none', or a set of op names to keep such as {'aten::mm', 'aten::addmm'}"
-                )
             raise ConfigError(
                 f"unknown policy {policy!r}; expected one of {list(POLICIES)}, a set of op names to keep "
                 f"(e.g. {{'aten::mm'}}), or a callable op_name -> bool"
@@ -355,6 +369,11 @@ class TapeSAC:
         params = [p for p in self._model.parameters()] + [b for b in self._model.buffers()]
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
+        if self._planner is not None:
+            self._planner.begin_step()
+            # The measuring step runs "full" without enforcing the limit, so that an infeasible limit is reported by
+            # the planner with the smallest feasible one, rather than by the first replay that does not fit.
+            self._session.set_memory_limit(0 if self._plan is None else self._limit)
         self._session.begin_step(params)
         _thread_state.active = self
         handles = []
@@ -375,6 +394,41 @@ class TapeSAC:
             self._history.append(self._last)
             self._warn_unmatched()
             self._write_log(self._last)
+        # Only after a step that finished: plan (policy "auto") from what it measured.
+        self._replan_if_needed(self._last)
+
+    def _replan_if_needed(self, st: StepStats) -> None:
+        """Policy "auto": plans after the first step (which ran "full" while measuring), and again whenever a block
+        call found no plan for its tape (new shapes or routing) or the measured peak exceeded the limit."""
+        if self._planner is None or st.block_calls == 0:
+            return
+        limit = self._limit
+        self._session.set_memory_limit(limit)
+        measured = st.memory.peak_bytes if st.memory else 0
+        if self._plan is not None:
+            # What the peak model missed on the plan that ran: later plans keep that much below the limit.
+            self._model_error = max(self._model_error, measured - self._plan["predicted_peak_bytes"])
+        unplanned = any(not b.planned for b in st.blocks)
+        over = measured > limit
+        # The peak model is calibrated on the "full" measuring step and errs on the high side on the models we test
+        # (README: the prediction vs measurement table). Re-calibrating on a plan's lower measured peak would let
+        # the next plan keep more but overshoot the limit in between, so the model is only ever corrected upwards.
+        if self._plan is not None and not unplanned and not over:
+            return
+        if self._plan is None:
+            reason = "first step"
+        elif unplanned:
+            reason = "new tape"
+        else:
+            reason = "measured peak over the limit"
+        info = dict(self._planner.plan(limit - self._model_error, measured))
+        info["limit"] = limit
+        info["margin_bytes"] = self._model_error
+        info["reason"] = reason
+        info["after_step"] = st.step
+        info["measured_peak_bytes"] = measured
+        self._plan = info
+        self._plans.append({k: v for k, v in info.items() if k != "calls"})
 
     def _make_pre_hook(self, name: str) -> Callable[..., None]:
         session = self._session
@@ -431,6 +485,7 @@ class TapeSAC:
                 replay_pieces=b["replay_pieces"],
                 replay_peak_bytes=b["replay_peak_bytes"],
                 predicted_replay_bytes=b["predicted_replay_bytes"],
+                planned=bool(b["planned"]),
                 capture_error=b["capture_error"],
             )
             for b in raw
@@ -485,13 +540,31 @@ class TapeSAC:
             warnings.warn(f"tapesac: cannot append telemetry to {str(self._log_path)!r}: {e}", stacklevel=3)
 
     @property
+    def plan(self) -> dict[str, Any] | None:
+        """Policy "auto": the plan in use (predicted peak and replay cost, per block call kept bytes), else None."""
+        return self._plan
+
+    @property
+    def plans(self) -> list[dict[str, Any]]:
+        """Policy "auto": every plan made so far (why, after which step, predicted vs measured peak)."""
+        return list(self._plans)
+
+    @property
     def memory_limit(self) -> int | None:
         """The step-peak limit in bytes (None: no limit). Settable with the same forms as the constructor."""
-        return self._session.memory_limit or None
+        return self._limit or None
 
     @memory_limit.setter
     def memory_limit(self, value: Any) -> None:
-        self._session.set_memory_limit(parse_memory_limit(value, self._device) or 0)
+        limit = parse_memory_limit(value, self._device) or 0
+        if self._planner is not None and limit == 0:
+            raise ConfigError("policy='auto' needs a memory_limit; to run without one create a TapeSAC with "
+                              "policy='full' or 'none'")
+        self._session.set_memory_limit(limit)
+        self._limit = limit
+        if self._planner is not None and self._plan is not None:
+            self._plan = None  # re-plan after the next step, under the new limit
+            self._model_error = 0
 
     def report(self) -> "StepReport":
         """A StepReport of the steps run so far (the last step in detail)."""

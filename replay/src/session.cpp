@@ -66,13 +66,14 @@ void StepMemory::add_span(TimelineSpan span) {
 
 BlockCall::BlockCall(std::string name, const SessionOptions* options,
                      const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache,
-                     size_t expected_ops, std::shared_ptr<StepMemory> memory)
+                     size_t expected_ops, std::shared_ptr<StepMemory> memory, const Session* session)
     : name_(std::move(name)),
       options_(options),
       param_storages_(param_storages),
       save_cache_(save_cache),
       recorder_(capture::RecorderOptions{true, true, expected_ops}),
-      memory_(std::move(memory)) {
+      memory_(std::move(memory)),
+      session_(session) {
   closed_stats_.name = name_;
 }
 
@@ -177,6 +178,7 @@ bool BlockCall::keep_by_policy(ValueId v, int32_t state) {
     case PolicyKind::kNone:
       return true;
     case PolicyKind::kFull:
+    case PolicyKind::kPlan:
       return false;
     case PolicyKind::kSaveOps: {
       const capture::OpKind k = tape.op(p).kind;
@@ -206,46 +208,79 @@ void BlockCall::close_forward() {
   available_.assign(tape.values().size(), 0);
 
   // Values a replay could start from: externals (always), values the policy keeps, values that cannot be rebuilt.
-  std::vector<int8_t> decision(tape.values().size(), -1);  // 1 keep, 0 drop
+  // Pass 1: values nobody decides on (capture failed, external) are kept; the rest are the *decidable* values.
+  std::vector<int8_t> decision(tape.values().size(), -1);  // 1 keep, 0 drop, 2 undecided
   std::vector<int32_t> state_of_value(tape.values().size(), 0);
-  std::vector<ValueId> candidates;
-  bool policy_failed = false;
+  std::vector<ValueId> decidable;
+  std::vector<const at::Tensor*> tensor_of(tape.values().size(), nullptr);
   for (Slot& s : slots_) {
     if (s.value < 0 || s.released) continue;
     const auto v = static_cast<size_t>(s.value);
     state_of_value[v] = s.state;
+    if (tensor_of[v] == nullptr) tensor_of[v] = &s.tensor;
     if (decision[v] >= 0) continue;
     const capture::ValueInfo& info = tape.value(s.value);
-    bool keep = !st.capture_error.empty() || info.producer == kExternal || tape.storage(info.storage).external;
-    if (!keep) {
-      try {
-        keep = keep_by_policy(s.value, s.state);
-      } catch (...) {
-        policy_failed = true;  // the policy callable raised: keep, and say so in the stats
-        keep = true;
-      }
-    }
-    decision[v] = keep ? 1 : 0;
-    if (keep) {
+    if (!st.capture_error.empty() || info.producer == kExternal || tape.storage(info.storage).external) {
+      decision[v] = 1;
       available_[v] = 1;
       live_[v] = s.tensor;
     } else {
-      candidates.push_back(s.value);
+      decision[v] = 2;
+      decidable.push_back(s.value);
+    }
+  }
+  std::sort(decidable.begin(), decidable.end());
+  // Values that cannot be rebuilt from the externals alone (non-replayable producers, reads of external state at
+  // an earlier state) must be kept whatever the policy says.
+  std::vector<uint8_t> must_keep(decidable.size(), 0);
+  for (size_t i = 0; i < decidable.size(); ++i) {
+    const ValueId v = decidable[i];
+    must_keep[i] = prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_).ok ? 0 : 1;
+  }
+  const bool planning = options_->policy == PolicyKind::kPlan;
+  const bool observed = session_ != nullptr && static_cast<bool>(session_->tape_observer());
+  const uint64_t signature = (planning || observed) ? tape_signature(tape, decidable) : 0;
+  st.signature = signature;
+  const BlockPlan* plan = planning ? find_plan() : nullptr;
+  const bool plan_applies = plan != nullptr && plan->signature == signature && plan->keep.size() == decidable.size();
+  st.planned = plan_applies ? 1 : 0;
+  bool policy_failed = false;
+  std::vector<ValueId> candidates;
+  for (size_t i = 0; i < decidable.size(); ++i) {
+    const ValueId v = decidable[i];
+    bool keep = must_keep[i] != 0;
+    if (!keep) {
+      if (planning) {
+        keep = plan_applies && plan->keep[i] != 0;  // no matching plan: run as "full" (the planner re-plans)
+      } else {
+        try {
+          keep = keep_by_policy(v, state_of_value[static_cast<size_t>(v)]);
+        } catch (...) {
+          policy_failed = true;  // the policy callable raised: keep, and say so in the stats
+          keep = true;
+        }
+      }
+    }
+    decision[static_cast<size_t>(v)] = keep ? 1 : 0;
+    if (keep) {
+      available_[static_cast<size_t>(v)] = 1;
+      live_[static_cast<size_t>(v)] = *tensor_of[static_cast<size_t>(v)];
+    } else {
+      candidates.push_back(v);
     }
   }
   if (policy_failed && st.capture_error.empty()) st.capture_error = "the policy callable raised; kept everything";
-  std::sort(candidates.begin(), candidates.end());
   for (ValueId v : candidates) {
     const PruneResult r = prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_);
     if (r.ok) continue;
     decision[static_cast<size_t>(v)] = 1;
     available_[static_cast<size_t>(v)] = 1;
-    for (Slot& s : slots_) {
-      if (s.value == v) {
-        live_[static_cast<size_t>(v)] = s.tensor;
-        break;
-      }
-    }
+    live_[static_cast<size_t>(v)] = *tensor_of[static_cast<size_t>(v)];
+  }
+  if (observed) {
+    std::vector<uint8_t> kept(decidable.size(), 0);
+    for (size_t i = 0; i < decidable.size(); ++i) kept[i] = decision[static_cast<size_t>(decidable[i])] == 1 ? 1 : 0;
+    session_->tape_observer()(BlockTapeView{name_, signature, tape, decidable, must_keep, kept});
   }
 
   // Drop: release the slots' references; count bytes by unique storage (a storage that a kept tensor still
@@ -303,6 +338,42 @@ void BlockCall::close_forward() {
   value_state_.clear();
   for (const Read& r : targets) value_state_[r.value] = r.state;
   if (alive_slots_ == 0) release_all();
+}
+
+const BlockPlan* BlockCall::find_plan() const {
+  if (session_ == nullptr) return nullptr;
+  auto it = session_->plans().find(name_);
+  return it == session_->plans().end() ? nullptr : &it->second;
+}
+
+uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates) {
+  // FNV-1a over the structure; sizes included, durations and addresses not.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      h = (h ^ (x & 0xff)) * 1099511628211ull;
+      x >>= 8;
+    }
+  };
+  mix(tape.ops().size());
+  mix(tape.values().size());
+  for (const capture::OpRecord& op : tape.ops()) {
+    mix(static_cast<uint64_t>(op.kind));
+    mix(op.flags);
+    for (const capture::ArgRef& a : op.inputs) {
+      mix(static_cast<uint64_t>(a.value));
+      mix(static_cast<uint64_t>(a.state));
+    }
+    for (ValueId v : op.outputs) mix(static_cast<uint64_t>(v));
+  }
+  for (const capture::ValueInfo& v : tape.values()) {
+    mix(static_cast<uint64_t>(v.storage));
+    mix(static_cast<uint64_t>(v.meta.nbytes));
+  }
+  for (const capture::StorageInfo& st : tape.storages()) mix(static_cast<uint64_t>(st.nbytes));
+  mix(candidates.size());
+  for (ValueId v : candidates) mix(static_cast<uint64_t>(v));
+  return h;
 }
 
 void BlockCall::check_version(const Slot& s, int32_t slot) const {
@@ -507,6 +578,11 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   in_step_ = true;
 }
 
+void Session::set_plans(std::unordered_map<std::string, BlockPlan> plans) {
+  TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: a plan can only be set between steps");
+  plans_ = std::move(plans);
+}
+
 void Session::shutdown() noexcept {
   end_step();
   allocator_use_.reset();
@@ -521,7 +597,7 @@ std::shared_ptr<BlockCall> Session::begin_block(const std::string& name) {
   if (current_ != nullptr) return nullptr;
   auto hint = expected_ops_.find(name);
   auto block = std::make_shared<BlockCall>(name, &options_, &param_storages_, &save_cache_,
-                                           hint == expected_ops_.end() ? 64 : hint->second + 8, memory_);
+                                           hint == expected_ops_.end() ? 64 : hint->second + 8, memory_, this);
   block->start_forward();
   blocks_.push_back(block);
   current_ = block;

@@ -28,7 +28,26 @@
 
 namespace tapesac::replay {
 
-enum class PolicyKind { kNone, kFull, kSaveOps };
+enum class PolicyKind { kNone, kFull, kSaveOps, kPlan };
+
+/// What a block call's forward left for planning (see Session::set_tape_observer): its tape, the values a policy
+/// decides on (saved for backward, produced on the tape; ascending ValueId), which of them cannot be dropped, and
+/// the keep mask applied this step (1 = kept).
+struct BlockTapeView {
+  const std::string& name;
+  uint64_t signature;
+  const capture::Tape& tape;
+  const std::vector<capture::ValueId>& candidates;
+  const std::vector<uint8_t>& must_keep;
+  const std::vector<uint8_t>& kept;
+};
+
+/// The plan of one block (policy kPlan): for the block call whose tape has `signature`, keep candidate i iff
+/// keep[i] (candidates in the order BlockTapeView lists them).
+struct BlockPlan {
+  uint64_t signature = 0;
+  std::vector<uint8_t> keep;
+};
 
 struct SessionOptions {
   PolicyKind policy = PolicyKind::kFull;
@@ -109,6 +128,9 @@ struct BlockStats {
   int64_t predicted_replay_bytes = 0;
   /// Replays that ran in pieces because the whole did not fit under the memory limit.
   int64_t replay_pieces = 0;
+  /// Policy kPlan: 1 when the plan was applied, 0 when no plan matched this tape (the call ran as "full").
+  int64_t planned = 0;
+  uint64_t signature = 0;
   std::string capture_error;
 };
 
@@ -117,7 +139,8 @@ struct BlockStats {
 class BlockCall : public capture::RecorderListener, public std::enable_shared_from_this<BlockCall> {
  public:
   BlockCall(std::string name, const SessionOptions* options, const std::unordered_set<const void*>* param_storages,
-            std::vector<int8_t>* save_cache, size_t expected_ops, std::shared_ptr<StepMemory> memory);
+            std::vector<int8_t>* save_cache, size_t expected_ops, std::shared_ptr<StepMemory> memory,
+            const class Session* session = nullptr);
   ~BlockCall() override;
 
   void start_forward();
@@ -166,8 +189,12 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   /// even `wanted` alone cannot fit.
   std::vector<Read> limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan);
 
+  /// The plan for this call (kPlan), looked up by name at close_forward(); null when none.
+  const BlockPlan* find_plan() const;
+
   std::string name_;
   std::shared_ptr<StepMemory> memory_;
+  const class Session* session_ = nullptr;
   int64_t forward_begin_ns_ = 0;
   const SessionOptions* options_;
   const std::unordered_set<const void*>* param_storages_;
@@ -240,6 +267,14 @@ class Session {
   /// Memory of the last finished step.
   const StepMemoryStats& last_memory() const { return last_memory_; }
   void set_memory_limit(int64_t bytes);
+  /// Policy kPlan: the plans by block name (replaces the previous ones). A block call whose tape signature differs
+  /// from its plan's, or without a plan, runs as "full" (BlockStats::planned == 0).
+  void set_plans(std::unordered_map<std::string, BlockPlan> plans);
+  const std::unordered_map<std::string, BlockPlan>& plans() const { return plans_; }
+  /// Called at the end of every block call's forward (after keep/drop is decided), on the forward thread; the
+  /// view is valid only during the call. Used by the planner's bindings to build problems and costs.
+  void set_tape_observer(std::function<void(const BlockTapeView&)> observer) { observer_ = std::move(observer); }
+  const std::function<void(const BlockTapeView&)>& tape_observer() const { return observer_; }
   /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
   /// installed again by the next begin_step()). Never throws.
   void shutdown() noexcept;
@@ -262,6 +297,12 @@ class Session {
   std::shared_ptr<StepMemory> memory_;
   std::optional<allocator::ScopedCounter> counter_scope_;
   StepMemoryStats last_memory_;
+  std::unordered_map<std::string, BlockPlan> plans_;
+  std::function<void(const BlockTapeView&)> observer_;
 };
+
+/// A 64-bit signature of a block call's tape and candidates: op kinds, flags, data flow, sizes and the candidate
+/// list. Equal signatures mean identical planning problems.
+uint64_t tape_signature(const capture::Tape& tape, const std::vector<capture::ValueId>& candidates);
 
 }  // namespace tapesac::replay

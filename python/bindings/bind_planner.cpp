@@ -1,0 +1,186 @@
+// Bindings of planner/: AutoPlanner wires a replay Session to the planner for policy "auto". It observes every
+// block call's tape (problem + measured op costs, in C++ on the forward thread), plans the next steps under one
+// memory limit from the last step's problems and its measured peak, and installs the plan in the session.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "bindings.h"
+#include "tapesac/allocator/limit.h"
+#include "tapesac/capture/errors.h"
+#include "tapesac/planner/evaluate.h"
+#include "tapesac/planner/from_tape.h"
+#include "tapesac/planner/problem_io.h"
+#include "tapesac/planner/step.h"
+#include "tapesac/replay/session.h"
+
+namespace py = pybind11;
+
+namespace tapesac::python {
+namespace {
+
+std::string hex_signature(uint64_t s) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(s));
+  return buf;
+}
+
+class AutoPlanner {
+ public:
+  explicit AutoPlanner(replay::Session& session) : session_(session) {
+    session_.set_tape_observer([this](const replay::BlockTapeView& view) { observe(view); });
+  }
+  ~AutoPlanner() { session_.set_tape_observer(nullptr); }
+  AutoPlanner(const AutoPlanner&) = delete;
+  AutoPlanner& operator=(const AutoPlanner&) = delete;
+
+  /// Forget the calls of the previous step (called when a step starts).
+  void begin_step() { calls_.clear(); }
+
+  py::dict plan(int64_t limit, int64_t measured_peak) {
+    TAPESAC_CHECK(!calls_.empty(), kGeneric,
+                  "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<planner::BlockProblem> problems;
+    problems.reserve(calls_.size());
+    int64_t sum_kept = 0;
+    int64_t max_ws = 0;
+    for (const Call& c : calls_) {
+      planner::BlockProblem p = *c.problem;
+      const std::vector<double> costs = cost_model_.costs(p.signature);
+      for (size_t i = 0; i < p.ops.size() && i < costs.size(); ++i) p.ops[i].cost_ns = costs[i];
+      sum_kept += planner::kept_bytes(p, c.kept);
+      max_ws = std::max(max_ws, planner::replay_working_set_bytes(p, c.kept));
+      problems.push_back(std::move(p));
+    }
+    std::vector<const planner::BlockProblem*> ptrs;
+    for (const auto& p : problems) ptrs.push_back(&p);
+    const planner::StepInput input = planner::build_step_input(ptrs);
+    const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, sum_kept, max_ws);
+    planner::StepPlan plan;
+    try {
+      plan = planner::plan_step(input, model, limit);
+    } catch (const planner::InfeasibleLimitError& e) {
+      throw Error(ErrorKind::kMemoryLimit,
+                  "tapesac: memory_limit " + allocator::format_bytes(limit) + " (" + std::to_string(limit) +
+                      " bytes) is below the smallest feasible step peak " +
+                      allocator::format_bytes(e.smallest_feasible_bytes()) + " (" +
+                      std::to_string(e.smallest_feasible_bytes()) +
+                      " bytes: parameters, gradients and activations outside the blocks as measured in the first "
+                      "step, plus the least every block must keep, plus one block's replay). Raise memory_limit to "
+                      "at least " + std::to_string(e.smallest_feasible_bytes()) +
+                      " bytes, or lower the batch size or sequence length.");
+    }
+    std::unordered_map<std::string, replay::BlockPlan> plans;
+    py::list calls;
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      const planner::CallPlan& cp = plan.calls[i];
+      plans.emplace(calls_[i].name, replay::BlockPlan{calls_[i].signature, cp.keep});
+      py::dict d;
+      d["name"] = calls_[i].name;
+      d["kept_bytes"] = cp.kept_bytes;
+      d["working_set_bytes"] = cp.working_set_bytes;
+      d["replay_cost_ns"] = cp.replay_cost_ns;
+      int64_t kept = 0;
+      for (uint8_t k : cp.keep) kept += k;
+      d["kept_candidates"] = kept;
+      d["candidates"] = static_cast<int64_t>(cp.keep.size());
+      calls.append(d);
+    }
+    session_.set_plans(std::move(plans));
+    last_model_ = model;
+    last_input_ = input;
+    py::dict out;
+    out["limit"] = limit;
+    out["predicted_peak_bytes"] = plan.predicted_peak_bytes;
+    out["replay_cost_ns"] = plan.replay_cost_ns;
+    out["replay_cost_lower_bound_ns"] = plan.replay_cost_lower_bound_ns;
+    out["sum_kept_bytes"] = plan.sum_kept_bytes;
+    out["max_working_set_bytes"] = plan.max_working_set_bytes;
+    out["min_feasible_peak_bytes"] = plan.min_feasible_peak_bytes;
+    out["keep_all_peak_bytes"] = plan.keep_all_peak_bytes;
+    out["keeps_everything"] = plan.keeps_everything;
+    out["baseline_bytes"] = model.baseline_bytes;
+    out["calls"] = calls;
+    out["signatures"] = static_cast<int64_t>(input.frontiers.size());
+    out["planning_ms"] =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  }
+
+  /// The step-level frontier of the last plan's problems: (predicted peak, predicted replay cost) of the best plan
+  /// at `points` limits spread between the smallest feasible peak and the keep-everything peak.
+  py::list frontier(int points) const {
+    TAPESAC_CHECK(!last_input_.frontiers.empty(), kGeneric,
+                  "tapesac: no plan yet; frontier() needs policy='auto' and one finished step");
+    py::list out;
+    const planner::StepPlan lo = planner::plan_step(last_input_, last_model_, INT64_MAX);
+    const int64_t hi_peak = lo.keep_all_peak_bytes;
+    const int64_t lo_peak = lo.min_feasible_peak_bytes;
+    const int n = std::max(points, 2);
+    for (int k = 0; k < n; ++k) {
+      const int64_t limit = lo_peak + (hi_peak - lo_peak) * k / (n - 1);
+      const planner::StepPlan p = planner::plan_step(last_input_, last_model_, limit);
+      out.append(py::make_tuple(limit, p.predicted_peak_bytes, p.replay_cost_ns, p.sum_kept_bytes));
+    }
+    return out;
+  }
+
+  /// The last observed problem of the block call `index` in planner text format (for fixtures and debugging).
+  std::string dump_problem(size_t index) const {
+    TAPESAC_CHECK(index < calls_.size(), kConfig, "no block call ", index, " in the last step");
+    planner::BlockProblem p = *calls_[index].problem;
+    const auto costs = cost_model_.costs(p.signature);
+    for (size_t i = 0; i < p.ops.size() && i < costs.size(); ++i) p.ops[i].cost_ns = costs[i];
+    std::ostringstream os;
+    planner::write_problem(os, p);
+    return os.str();
+  }
+
+  size_t observed_calls() const { return calls_.size(); }
+
+ private:
+  struct Call {
+    std::string name;
+    uint64_t signature;
+    std::shared_ptr<const planner::BlockProblem> problem;
+    std::vector<uint8_t> kept;
+  };
+
+  void observe(const replay::BlockTapeView& v) {
+    const std::string sig = hex_signature(v.signature);
+    cost_model_.observe(sig, planner::measured_costs(v.tape));
+    auto it = problems_.find(sig);
+    if (it == problems_.end()) {
+      if (problems_.size() > 256) problems_.clear();  // bounded: signatures change with shapes
+      auto p = std::make_shared<const planner::BlockProblem>(planner::problem_from_tape(
+          v.tape, v.candidates, v.must_keep, std::vector<double>(v.tape.ops().size(), 0.0), sig));
+      it = problems_.emplace(sig, std::move(p)).first;
+    }
+    calls_.push_back(Call{v.name, v.signature, it->second, v.kept});
+  }
+
+  replay::Session& session_;
+  planner::CostModel cost_model_;
+  std::unordered_map<std::string, std::shared_ptr<const planner::BlockProblem>> problems_;
+  std::vector<Call> calls_;
+  planner::PeakModel last_model_;
+  planner::StepInput last_input_;
+};
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  py::class_<AutoPlanner>(m, "AutoPlanner")
+      .def(py::init<replay::Session&>(), py::arg("session"), py::keep_alive<1, 2>())
+      .def("begin_step", &AutoPlanner::begin_step)
+      .def("plan", &AutoPlanner::plan, py::arg("limit"), py::arg("measured_peak"))
+      .def("frontier", &AutoPlanner::frontier, py::arg("points") = 12)
+      .def("dump_problem", &AutoPlanner::dump_problem, py::arg("index"))
+      .def_property_readonly("observed_calls", &AutoPlanner::observed_calls);
+}
+
+}  // namespace tapesac::python

@@ -44,7 +44,11 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
   info->nondeterministic_bitwise = h.hasTag(at::Tag::nondeterministic_bitwise);
   const std::string& ns_name = schema.name();
   info->effectful = ns_name.rfind("c10d::", 0) == 0 || ns_name.rfind("_c10d_functional::", 0) == 0 ||
-                    ns_name.rfind("_dtensor::", 0) == 0 || ns_name.rfind("profiler::", 0) == 0;
+                    ns_name.rfind("_dtensor::", 0) == 0 || ns_name.rfind("profiler::", 0) == 0 ||
+                    // torch.tensor(list) inside a block: `empty`, then the list's bytes are copied in where the
+                    // dispatcher cannot see, then `lift_fresh`. Replay could not reproduce those bytes, so values
+                    // built from it are kept. (An `empty` whose bytes a recorded op then writes replays fine.)
+                    ns_name == "aten::lift_fresh" || ns_name == "aten::lift_fresh_copy" || ns_name == "aten::lift";
   const auto& args = schema.arguments();
   info->writes_arg.resize(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {

@@ -212,6 +212,11 @@ ValueId Recorder::find_value(const at::Tensor& t) const {
   return -1;
 }
 
+ValueId Recorder::find_value_of_impl(const c10::TensorImpl* impl) const {
+  const ValueId v = impl_value_.find(impl);
+  return v == PtrIndexMap::kMissing ? -1 : v;
+}
+
 ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
   const ValueId v = tape_.add_external_value(s, meta_of(t));
   if (live_.size() <= static_cast<size_t>(v)) live_.resize(static_cast<size_t>(v) + 1);
@@ -492,6 +497,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     payload.args = std::move(f.args);
     payload.generator = std::move(f.generator);
     payload.generator_state = std::move(f.generator_state);
+    payload.generator_arg = static_cast<int16_t>(info.generator_arg);
     if (live_.size() < tape_.values().size()) live_.resize(tape_.values().size());
     busy_ = false;
     return index;

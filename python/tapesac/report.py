@@ -210,7 +210,8 @@ def plot_reports(reports: Sequence[StepReport], path: str | Path, title: str | N
         ax.set_ylabel("tensor memory (MiB)")
         peak = mem.get("peak_bytes", 0)
         ax.set_title(f"{label}: step peak {peak / 2**20:.1f} MiB")
-        ax.legend(loc="upper left", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", fontsize=8)
 
         ax = axes[1][col]
         blocks = rep.last["blocks"]

@@ -171,10 +171,27 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
       }
     }
     if (payload.generator.has_value()) {
-      at::Generator gen = *payload.generator;  // shares the impl; mutex() is non-const
-      restorer.remember(gen);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
+      const auto garg = static_cast<size_t>(payload.generator_arg);
+      if (payload.generator_arg >= 0 && garg < stack.size()) {
+        // A private generator at the recorded state: the shared one (other threads may be drawing from it) is
+        // neither read nor advanced.
+        at::Generator gen = *payload.generator;
+        at::Generator priv;
+        {
+          std::lock_guard<std::mutex> lock(gen.mutex());
+          priv = gen.clone();
+        }
+        priv.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
+        stack[garg] = c10::IValue(priv);
+      } else {
+        // No generator argument (e.g. native_dropout draws from the device's default generator): set the shared
+        // generator's state for the call and put it back afterwards. A thread drawing from the same generator
+        // at the same moment would see the recorded state (see README, limits).
+        at::Generator gen = *payload.generator;  // shares the impl; mutex() is non-const
+        restorer.remember(gen);
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
+      }
     }
 
     payload.handle->callBoxed(stack);

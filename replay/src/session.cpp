@@ -103,13 +103,16 @@ void BlockCall::resolve_pending(bool final) {
   auto keep = pending_.begin();
   for (int32_t idx : pending_) {
     Slot& s = slots_[static_cast<size_t>(idx)];
-    const ValueId v = recorder_.find_value(s.tensor);
+    ValueId v = s.pending_impl != nullptr ? recorder_.find_value_of_impl(s.pending_impl) : -1;
+    if (v < 0) v = recorder_.find_value(s.tensor);
     if (v >= 0) {
       s.value = v;
       s.state = tape.state_of(tape.value(v).storage);
       s.pending = false;
+      s.pending_impl = nullptr;
     } else if (final || !recorder_.op_open()) {
       s.pending = false;  // opaque: the tape did not produce it
+      s.pending_impl = nullptr;
     } else {
       *keep++ = idx;
     }
@@ -126,14 +129,16 @@ int32_t BlockCall::pack(const at::Tensor& t) {
     s.version = t.unsafeGetTensorImpl()->version_counter();
     s.saved_version = s.version.current_version();
   }
-  const ValueId v = recorder_.find_value(t);
   const auto idx = static_cast<int32_t>(slots_.size());
-  if (v >= 0) {
+  if (recorder_.active() && recorder_.op_open()) {
+    // Saved inside an op's autograd kernel: resolved when the op exits, because the op may still write the tensor
+    // (an in-place op that saves its own result, e.g. tanh_) or create it (an op saving its output).
+    s.pending = true;
+    s.pending_impl = t.defined() ? t.unsafeGetTensorImpl() : nullptr;
+    pending_.push_back(idx);
+  } else if (const ValueId v = recorder_.find_value(t); v >= 0) {
     s.value = v;
     s.state = recorder_.tape().state_of(recorder_.tape().value(v).storage);
-  } else if (recorder_.active() && recorder_.op_open()) {
-    s.pending = true;
-    pending_.push_back(idx);
   }
   slots_.push_back(std::move(s));
   ++alive_slots_;
@@ -230,12 +235,15 @@ void BlockCall::close_forward() {
     }
   }
   std::sort(decidable.begin(), decidable.end());
-  // Values that cannot be rebuilt from the externals alone (non-replayable producers, reads of external state at
-  // an earlier state) must be kept whatever the policy says.
+  // Values that cannot be rebuilt (non-replayable producers, reads of external state at an earlier state) must be
+  // kept whatever the policy says. In tape order, each one found is made available at once, so that later values
+  // can be rebuilt from it.
   std::vector<uint8_t> must_keep(decidable.size(), 0);
   for (size_t i = 0; i < decidable.size(); ++i) {
     const ValueId v = decidable[i];
-    must_keep[i] = prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_).ok ? 0 : 1;
+    if (prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_).ok) continue;
+    must_keep[i] = 1;
+    available_[static_cast<size_t>(v)] = 1;
   }
   const bool planning = options_->policy == PolicyKind::kPlan;
   const bool observed = session_ != nullptr && static_cast<bool>(session_->tape_observer());

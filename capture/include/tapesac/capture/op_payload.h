@@ -23,6 +23,9 @@ struct OpPayload {
   /// For random ops: the generator the op drew from and its state just before the op.
   std::optional<at::Generator> generator;
   c10::intrusive_ptr<c10::TensorImpl> generator_state;
+  /// Position of the op's `Generator? generator` argument (-1: none). Replay passes a private generator there, so
+  /// it never touches a generator other threads draw from.
+  int16_t generator_arg = -1;
 };
 
 }  // namespace tapesac::capture

@@ -76,6 +76,9 @@ class Recorder {
 
   /// The tape value `t` currently is (its latest version), or -1 when the recorder has not seen it.
   ValueId find_value(const at::Tensor& t) const;
+  /// The latest value of the tensor whose TensorImpl is `impl` (identity only; -1 when unknown). `impl` must be
+  /// alive (its address is not reused while the caller holds it).
+  ValueId find_value_of_impl(const c10::TensorImpl* impl) const;
   /// True while a recorded op has started and not yet finished on this thread (its outputs are not on the tape).
   bool op_open() const { return !open_.empty(); }
   /// Non-empty when recording failed part-way (the tape is then incomplete and must not be replayed from).

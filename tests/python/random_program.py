@@ -1,0 +1,733 @@
+"""A seeded generator of random blocks, and the check that runs one program with and without tapesac.
+
+Contract: `Program.generate(seed)` is a pure function of the seed (its own `random.Random`, never the global RNG);
+`build_model(program)` is deterministic given the program (weights are drawn under `torch.random.fork_rng`).
+`check_program(seed)` runs the program once without tapesac and once per policy ("full", "none", a random set of
+the ops the program records) on deep copies of one freshly built model, each run from the same torch seed, and
+raises `ProgramFailure` (whose message prints the seed and the program) if the loss, any parameter gradient, the
+input gradient, any buffer or the CPU RNG state after the step is not bitwise equal to the plain run.
+
+A program is a stack of 2-3 blocks; each block is a list of `OpSpec`s applied to a running value `h` of shape
+[B, T, D] (every op maps [B, T, D] -> [B, T, D], possibly non-contiguous), with a pool of earlier values (the
+block input and every earlier op's output) that binary ops, in-place ops and `where` draw their second operand
+from. In-place ops always mutate a fresh tensor (`h * c`) so that the program is valid under plain autograd.
+
+Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
+print it: `print(R.Program.generate(SEED))`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Ops: name -> (make(block, key, d, args) creating parameters/buffers, apply(block, key, h, pool, args) -> h)
+# ----------------------------------------------------------------------------------------------------------------------
+
+UNARY = {
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "gelu": F.gelu, "silu": F.silu, "sin": torch.sin,
+    "cos": torch.cos, "abs": torch.abs, "relu": torch.relu, "square": lambda h: h.square() * 0.5,
+    "neg": torch.neg, "softplus": F.softplus, "exp_tanh": lambda h: torch.exp(torch.tanh(h)),
+    "log1p_abs": lambda h: torch.log1p(h.abs()), "sqrt_abs1": lambda h: torch.sqrt(h.abs() + 1),
+    "rsqrt_sq1": lambda h: torch.rsqrt(h.square() + 1), "erf": torch.erf, "atan": torch.atan, "elu": F.elu,
+    "leaky_relu": lambda h: F.leaky_relu(h, 0.1), "hardtanh": F.hardtanh, "mish": F.mish,
+    "clamp": lambda h: h.clamp(-1.0, 1.0), "logsigmoid": F.logsigmoid, "pow3": lambda h: h.pow(3) * 0.1,
+    "reciprocal": lambda h: (h.abs() + 1).reciprocal(), "double_roundtrip": lambda h: h.double().sin().float(),
+}
+
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 1),
+    "maximum": torch.maximum, "minimum": torch.minimum, "atan2": torch.atan2,
+    "hypot": lambda a, b: torch.hypot(a, b) * 0.5, "lerp": lambda a, b: torch.lerp(a, b, 0.3),
+    "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.2),
+}
+
+REDUCE = {
+    "center": lambda h: h - h.mean(-1, keepdim=True),
+    "sum_scale": lambda h: h * h.sum(-1, keepdim=True).tanh(),
+    "softmax_d": lambda h: F.softmax(h, -1),
+    "softmax_t": lambda h: F.softmax(h, 1),
+    "log_softmax": lambda h: F.log_softmax(h, -1) * 0.2,
+    "logsumexp": lambda h: h - torch.logsumexp(h, -1, keepdim=True),
+    "amax": lambda h: h - h.amax(1, keepdim=True),
+    "norm": lambda h: h / (h.norm(dim=-1, keepdim=True) + 1),
+    "cumsum": lambda h: h.cumsum(1) * 0.3,
+    "mean_t": lambda h: h + h.mean(1, keepdim=True),
+    "sum_all": lambda h: h * torch.sigmoid(h.sum()),
+    "prod": lambda h: h * torch.tanh(h).prod(-1, keepdim=True),
+}
+
+
+def _chunk(h):
+    a, b = h.chunk(2, -1)
+    return torch.cat([b * a.sigmoid(), a - b], -1)
+
+
+def _split_rows(h):
+    first, rest = h.split([1, h.shape[1] - 1], dim=1)
+    return torch.cat([rest, first * 0.5], 1)
+
+
+def _strided(h):
+    a, b = h[..., ::2], h[..., 1::2]
+    return torch.cat([a * b, a + b], -1)
+
+
+def _unbind(h):
+    return torch.stack(list(h.unbind(1))[::-1], 1) * 1.1
+
+
+VIEW = {
+    "flat_softmax": lambda h: h.reshape(h.shape[0], -1).softmax(-1).view(h.shape) * h.shape[1],
+    "transpose": lambda h: h.transpose(0, 1).sigmoid().transpose(0, 1),
+    "transpose_nc": lambda h: h.transpose(1, 2).contiguous().tanh().transpose(1, 2),  # non-contiguous result
+    "permute": lambda h: h.permute(2, 0, 1).contiguous().sin().permute(1, 2, 0),
+    "slice_cat": lambda h: torch.cat([h[..., h.shape[-1] // 2:], h[..., :h.shape[-1] // 2] * 2], -1),
+    "strided": _strided,
+    "expand": lambda h: h * h[:, :1, :].expand(h.shape).tanh(),
+    "chunk": _chunk,
+    "split": _split_rows,
+    "unsqueeze_outer": lambda h: (h.unsqueeze(3) * h.unsqueeze(2).tanh()).mean(-1),
+    "select": lambda h: h + h.select(1, 0).unsqueeze(1),
+    "flip": lambda h: h.flip(-1) * 0.9,
+    "roll": lambda h: torch.roll(h, 1, 1),
+    "tril": lambda h: h.tril() + h.triu(1) * 0.5,
+    "unbind": _unbind,
+    "narrow": lambda h: torch.cat([h.narrow(1, 1, h.shape[1] - 1), h.narrow(1, 0, 1).exp()], 1),
+    "view_flat": lambda h: h.reshape(-1).cumsum(0).view(h.shape) * 0.1,
+    "diagonal": lambda h: h + h.diagonal(0, 1, 2).sum(-1, keepdim=True).unsqueeze(-1),
+    "unfold": lambda h: h.unfold(-1, 2, 2).flip(-1).reshape(h.shape),
+}
+
+
+def _fresh(h: torch.Tensor, c: float) -> torch.Tensor:
+    return h * c  # a new tensor whose grad_fn saves no tensor: safe to mutate
+
+
+def _inplace(kind: str, h: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    t = _fresh(h, 1.25)
+    k = max(1, t.shape[1] // 2)
+    if kind == "add_":
+        t.add_(p)
+    elif kind == "mul_":
+        t.mul_(p.sigmoid())
+    elif kind == "relu_":
+        t.relu_()
+    elif kind == "tanh_":
+        t.tanh_()
+    elif kind == "clamp_":
+        t.clamp_(-1.5, 1.5)
+    elif kind == "copy_slice":
+        t[:, :k].copy_(p[:, :k].tanh())
+    elif kind == "setitem_strided":
+        t[..., ::2] = p[..., 1::2]
+    elif kind == "zero_of_view_":
+        t = t.contiguous()  # t is fresh; a non-contiguous h gives a non-contiguous t, which .view() refuses
+        t.view(t.shape[0], -1)[:, : t[0].numel() // 3].zero_()
+    elif kind == "transpose_mul_":
+        t.transpose(1, 2).mul_(q.transpose(1, 2))
+    elif kind == "masked_fill_":
+        t.masked_fill_(p > 0.5, 0.25)
+    elif kind == "addcmul_":
+        t.addcmul_(p, q, value=0.1)
+    elif kind == "chain_":
+        t.mul_(2).add_(q).sigmoid_()
+    elif kind == "index_add_":
+        idx = torch.arange(t.shape[-1] - 1, -1, -1, device=t.device) % max(1, t.shape[-1] - 1)
+        t.index_add_(-1, idx, p, alpha=0.5)
+    elif kind == "slice_then_base":
+        t[:, 1:].mul_(3)
+        t = t.tanh()
+    else:
+        raise KeyError(kind)
+    return t
+
+
+INPLACE = ["add_", "mul_", "relu_", "tanh_", "clamp_", "copy_slice", "setitem_strided", "zero_of_view_",
+           "transpose_mul_", "masked_fill_", "addcmul_", "chain_", "index_add_", "slice_then_base"]
+
+RANDOM = ["dropout", "dropout_module", "rand_mask", "randn_noise", "bernoulli", "sdpa_dropout", "alpha_dropout"]
+
+MULTI = ["topk", "topk_scatter", "max_dim", "min_dim", "sort", "var_mean", "std_mean", "kthvalue", "aminmax",
+         "median"]
+
+NORM = ["layer_norm", "layer_norm_noaffine", "rms_norm", "rms_norm_f", "group_norm", "batch_norm"]
+
+CATSTACK = ["stack_sum", "cat_linear", "cat_t_slice", "stack_weighted"]
+
+WHERE = ["where", "masked_fill", "where_scalar"]
+
+GATHER = ["gather", "index_select_d", "index_select_t", "adv_index", "take_along", "embedding"]
+
+MATMUL = ["linear", "linear2d", "matmul_param", "bmm_attn", "einsum", "baddbmm", "sdpa"]
+
+OTHER = ["no_grad_scale", "detach_mix", "residual", "custom_fn", "scalar_ops"]
+
+EXOTIC = ["out_no_grad", "index_put_acc", "scatter_add", "diagonal_add_", "checkpoint", "masked_scatter",
+          "as_strided", "clone_contig_inplace"]
+
+CATEGORIES: dict[str, list[str]] = {
+    "matmul": MATMUL,
+    "unary": sorted(UNARY),
+    "binary": sorted(BINARY),
+    "reduce": sorted(REDUCE),
+    "view": sorted(VIEW),
+    "inplace": INPLACE,
+    "random": RANDOM,
+    "multi": MULTI,
+    "norm": NORM,
+    "catstack": CATSTACK,
+    "where": WHERE,
+    "gather": GATHER,
+    "other": OTHER,
+    "exotic": EXOTIC,
+}
+CATEGORY_WEIGHTS = {"matmul": 3, "unary": 3, "binary": 2, "reduce": 2, "view": 3, "inplace": 3, "random": 2,
+                    "multi": 2, "norm": 1.5, "catstack": 1, "where": 1, "gather": 1.5, "other": 1.5,
+                    "exotic": 2}
+
+
+class _SwishFn(torch.autograd.Function):
+    """A user-defined autograd Function: save_for_backward goes through the saved-tensor hooks too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = torch.sigmoid(x)
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * (s + x * s * (1 - s))
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of a block: `kind` names it (see CATEGORIES), `j`/`k` index the pool, `p` is a small parameter."""
+
+    kind: str
+    j: int = 0
+    k: int = 0
+    p: float = 0.0
+    flag: bool = False
+
+    def __str__(self) -> str:
+        extra = []
+        if self.kind in _USES_POOL:
+            extra.append(f"j={self.j}")
+            if self.kind in _USES_POOL2:
+                extra.append(f"k={self.k}")
+        if self.p:
+            extra.append(f"p={self.p:g}")
+        if self.flag:
+            extra.append("flag")
+        return f"{self.kind}({', '.join(extra)})" if extra else self.kind
+
+
+_USES_POOL = set(BINARY) | set(INPLACE) | {"stack_sum", "cat_linear", "cat_t_slice", "stack_weighted", "where",
+                                           "masked_fill", "residual", "where_scalar"}
+_USES_POOL2 = {"transpose_mul_", "addcmul_", "chain_", "where"}
+
+
+@dataclass(frozen=True)
+class Program:
+    seed: int
+    shape: tuple[int, int, int]  # B, T, D
+    blocks: tuple[tuple[OpSpec, ...], ...]
+    stem: bool  # a Linear before the blocks (block 0's input is then a non-leaf)
+    input_grad: bool
+    contract: str
+    op_set_seed: int
+    repeat_first: bool = False  # blocks[0] is called again on the output: two tapes of one module in a step
+    tuple_out: bool = False  # every block returns (h, aux); the model adds 0.1 * aux outside the blocks
+    autocast: bool = False  # the forward runs under torch.autocast("cpu", dtype=torch.bfloat16)
+
+    @staticmethod
+    def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
+        rng = random.Random(seed)
+        b = rng.choice([1, 2, 3])
+        t = rng.choice([3, 4, 6])
+        d = rng.choice([4, 6, 8])
+        cats = list(CATEGORY_WEIGHTS)
+        weights = [CATEGORY_WEIGHTS[c] for c in cats]
+        blocks = []
+        for _ in range(rng.choice([2, 2, 3])):
+            # Every block starts with an op that saves a block intermediate (linear, then tanh saves its output),
+            # so that policy "full" has something to drop and replay in every block.
+            ops = [OpSpec("linear", flag=rng.random() < 0.7), OpSpec("unary_tanh")]
+            for i in range(rng.randint(min_ops, max_ops)):
+                pool_size = len(ops) + 1  # the block input and every op output so far
+                cat = rng.choices(cats, weights)[0]
+                kind = rng.choice(CATEGORIES[cat])
+                if cat in ("unary", "binary", "reduce", "view"):
+                    kind = f"{cat}_{kind}"
+                p = 0.0
+                if cat == "random":
+                    p = rng.choice([0.1, 0.3, 0.5])
+                elif kind in ("topk", "topk_scatter", "kthvalue"):
+                    p = float(rng.randint(1, d))
+                ops.append(OpSpec(kind, j=rng.randrange(pool_size), k=rng.randrange(pool_size), p=p,
+                                  flag=rng.random() < 0.5))
+            if rng.random() < 0.5:
+                ops.append(OpSpec("residual", j=0))
+            blocks.append(tuple(ops))
+        return Program(seed=seed, shape=(b, t, d), blocks=tuple(blocks), stem=rng.random() < 0.5,
+                       input_grad=rng.random() < 0.7, contract=rng.choice(["check", "check", "strict", "off"]),
+                       op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
+                       tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
+
+    def ops(self) -> list[str]:
+        return [op.kind for blk in self.blocks for op in blk]
+
+    def __str__(self) -> str:
+        lines = [f"Program(seed={self.seed}, shape[B,T,D]={list(self.shape)}, stem={self.stem}, "
+                 f"input_grad={self.input_grad}, contract={self.contract!r}, repeat_first={self.repeat_first}, "
+                 f"tuple_out={self.tuple_out}, autocast={self.autocast})"]
+        for i, blk in enumerate(self.blocks):
+            lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
+        return "\n".join(lines)
+
+
+def _base(kind: str) -> str:
+    for cat in ("unary", "binary", "reduce", "view"):
+        if kind.startswith(cat + "_"):
+            return cat
+    return kind
+
+
+class RandomBlock(nn.Module):
+    """Runs one block's OpSpecs. Parameters and index buffers are created per op at construction."""
+
+    def __init__(self, ops: tuple[OpSpec, ...], shape: tuple[int, int, int], tuple_out: bool = False):
+        super().__init__()
+        self.ops = ops
+        self.tuple_out = tuple_out
+        b, t, d = shape
+        self.mods = nn.ModuleDict()
+        self.params = nn.ParameterDict()
+        for i, op in enumerate(ops):
+            key = str(i)
+            kind = op.kind
+            if kind in ("linear", "linear2d"):
+                self.mods[key] = nn.Linear(d, d, bias=op.flag)
+            elif kind in ("matmul_param", "einsum"):
+                self.params[key] = nn.Parameter(torch.randn(d, d) / math.sqrt(d))
+            elif kind == "baddbmm":
+                self.params[key] = nn.Parameter(torch.randn(b, t, t) * 0.1)
+            elif kind == "cat_linear":
+                self.mods[key] = nn.Linear(2 * d, d)
+            elif kind == "stack_weighted":
+                self.params[key] = nn.Parameter(torch.randn(2))
+            elif kind == "layer_norm":
+                self.mods[key] = nn.LayerNorm(d)
+            elif kind == "rms_norm":
+                self.mods[key] = nn.RMSNorm(d)
+            elif kind == "group_norm":
+                self.mods[key] = nn.GroupNorm(2, d)
+            elif kind == "batch_norm":
+                self.mods[key] = nn.BatchNorm1d(d)  # running stats: external state replay must never re-update
+            elif kind == "dropout_module":
+                self.mods[key] = nn.Dropout(op.p)
+            elif kind == "embedding":
+                self.params[key] = nn.Parameter(torch.randn(d, d) * 0.3)
+            if kind in ("gather", "take_along", "embedding"):
+                self.register_buffer(f"idx{i}", torch.randint(0, d, (b, t, d)))
+            elif kind == "index_select_d":
+                self.register_buffer(f"idx{i}", torch.randperm(d))
+            elif kind in ("index_select_t", "adv_index"):
+                self.register_buffer(f"idx{i}", torch.randint(0, t, (t,)))  # duplicates: accumulating backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        pool = [x]
+        for i, op in enumerate(self.ops):
+            h = _apply(self, str(i), i, op, h, pool)
+            pool.append(h)
+        if self.tuple_out:
+            return h, pool[len(pool) // 2]
+        return h
+
+
+def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool: list[torch.Tensor]) -> torch.Tensor:
+    kind = op.kind
+    base = _base(kind)
+    p = pool[op.j % len(pool)]
+    q = pool[op.k % len(pool)]
+    if p.dtype != h.dtype:  # autocast: pool values may be bf16 or fp32
+        p = p.to(h.dtype)
+    if q.dtype != h.dtype:
+        q = q.to(h.dtype)
+    if base == "unary":
+        return UNARY[kind[len("unary_"):]](h)
+    if base == "binary":
+        return BINARY[kind[len("binary_"):]](h, p)
+    if base == "reduce":
+        return REDUCE[kind[len("reduce_"):]](h)
+    if base == "view":
+        return VIEW[kind[len("view_"):]](h)
+    if kind in INPLACE:
+        return _inplace(kind, h, p, q)
+    if kind == "linear":
+        return blk.mods[key](h)
+    if kind == "linear2d":
+        return blk.mods[key](h.reshape(-1, h.shape[-1])).view(h.shape)
+    if kind == "matmul_param":
+        return h @ blk.params[key]
+    if kind == "einsum":
+        return torch.einsum("btd,de->bte", h, blk.params[key])
+    if kind == "bmm_attn":
+        s = (h @ h.transpose(-1, -2)) / math.sqrt(h.shape[-1])
+        return s.softmax(-1) @ h
+    if kind == "baddbmm":
+        s = torch.baddbmm(blk.params[key], h, h.transpose(1, 2), alpha=0.2)  # [B, T, T]
+        return torch.bmm(s.tanh(), h)
+    if kind == "sdpa":
+        q4 = h.unsqueeze(1)  # [B, 1, T, D]
+        return F.scaled_dot_product_attention(q4, q4.tanh(), q4, is_causal=op.flag).squeeze(1)
+    # random ops
+    if kind == "dropout":
+        return F.dropout(h, op.p, training=blk.training)
+    if kind == "dropout_module":
+        return blk.mods[key](h)
+    if kind == "rand_mask":
+        return h * (torch.rand_like(h) > op.p)
+    if kind == "randn_noise":
+        return h + op.p * torch.randn_like(h)
+    if kind == "bernoulli":
+        return h * torch.bernoulli(torch.full_like(h, 1 - op.p))
+    if kind == "sdpa_dropout":
+        q4 = h.unsqueeze(1)
+        return F.scaled_dot_product_attention(q4, q4, q4.sigmoid(), dropout_p=op.p).squeeze(1)
+    if kind == "alpha_dropout":
+        return F.alpha_dropout(h, op.p, training=blk.training)
+    # multi-output ops
+    d = h.shape[-1]
+    if kind == "topk":
+        v, _ = h.topk(max(1, min(d, int(op.p))), dim=-1)
+        return h * v.mean(-1, keepdim=True).sigmoid()
+    if kind == "topk_scatter":  # MoE-like: keep the top-k entries of each row, scatter them back
+        v, idx = h.topk(max(1, min(d, int(op.p))), dim=-1)
+        return torch.zeros_like(h).scatter(-1, idx, v.softmax(-1)) + h * 0.5
+    if kind == "max_dim":
+        m, idx = h.max(-1, keepdim=True)
+        return h - m * 0.5 + h.gather(-1, idx) * 0.25
+    if kind == "min_dim":
+        m, idx = h.min(1, keepdim=True)
+        return h + m + idx.to(h.dtype) * 0.01
+    if kind == "sort":
+        v, idx = h.sort(-1, descending=op.flag)
+        return v * 0.5 + h.gather(-1, idx.flip(-1)) * 0.5
+    if kind == "var_mean":
+        v, m = torch.var_mean(h, -1, keepdim=True)
+        return (h - m) * torch.rsqrt(v + 1e-5)
+    if kind == "std_mean":
+        s, m = torch.std_mean(h, 1, keepdim=True)
+        return (h - m) / (s + 1)
+    if kind == "kthvalue":
+        v, _ = h.kthvalue(max(1, min(d, int(op.p))), -1, keepdim=True)
+        return h - v
+    if kind == "aminmax":
+        lo, hi = torch.aminmax(h, dim=-1, keepdim=True)
+        return (h - lo) / (hi - lo + 1)
+    if kind == "median":
+        m, _ = h.median(1, keepdim=True)
+        return h - m
+    # norms
+    if kind in ("layer_norm", "rms_norm"):
+        return blk.mods[key](h)
+    if kind == "layer_norm_noaffine":
+        return F.layer_norm(h, (d,))
+    if kind == "rms_norm_f":
+        return F.rms_norm(h, (d,), eps=1e-6)
+    if kind == "group_norm":
+        return blk.mods[key](h.transpose(1, 2)).transpose(1, 2)
+    if kind == "batch_norm":
+        return blk.mods[key](h.transpose(1, 2)).transpose(1, 2)
+    # cat / stack
+    if kind == "stack_sum":
+        return torch.stack([h, p], 0).sum(0) * 0.5
+    if kind == "cat_linear":
+        return blk.mods[key](torch.cat([h, p], -1))
+    if kind == "cat_t_slice":
+        return torch.cat([h, p.tanh()], 1)[:, 1: 1 + h.shape[1]]
+    if kind == "stack_weighted":
+        return (torch.stack([h, p], -1) * blk.params[key]).sum(-1)
+    # where / masked_fill
+    if kind == "where":
+        return torch.where(p > 0, h, q * 0.5)
+    if kind == "masked_fill":
+        return h.masked_fill(p.abs() > 1, 1.0)
+    if kind == "where_scalar":
+        return torch.where(h > p, h, 0.0)
+    # gather / index_select
+    idx = getattr(blk, f"idx{i}", None)
+    if kind == "gather":
+        return h.gather(-1, idx)
+    if kind == "index_select_d":
+        return torch.index_select(h, -1, idx)
+    if kind == "index_select_t":
+        return torch.index_select(h, 1, idx)
+    if kind == "adv_index":
+        return h[:, idx] * 0.7 + h
+    if kind == "take_along":
+        return torch.take_along_dim(h, idx, -1)
+    if kind == "embedding":
+        # A data-dependent lookup: rows chosen by argmax, an embedding table with repeated indices.
+        rows = h.argmax(-1)  # [B, T]
+        return h + F.embedding(rows, blk.params[key])
+    # other
+    if kind == "no_grad_scale":
+        with torch.no_grad():
+            s = h.abs().amax() + 1
+        return h / s
+    if kind == "detach_mix":
+        return h + h.detach().sin() * h
+    if kind == "residual":
+        return h + p
+    if kind == "custom_fn":
+        return _SwishFn.apply(h)
+    if kind == "scalar_ops":
+        return (2.0 - h) * 0.5 + h / 3.0
+    # exotic
+    if kind == "out_no_grad":  # an out= op (no autograd) whose result a later op saves
+        with torch.no_grad():
+            s = torch.empty_like(h)
+            torch.sigmoid(h, out=s)
+        return h * s
+    if kind == "index_put_acc":  # accumulate into repeated positions, in place on a fresh tensor
+        t = _fresh(h, 0.5)
+        rows = torch.tensor([0, 0, h.shape[1] - 1], device=h.device)
+        t.index_put_((torch.zeros(3, dtype=torch.long), rows), p[0, :1].expand(3, -1), accumulate=True)
+        return t
+    if kind == "scatter_add":
+        idx = torch.arange(h.shape[-1], device=h.device).flip(0).expand(h.shape) % max(1, h.shape[-1] // 2)
+        return torch.zeros_like(h).scatter_add(-1, idx, h) + h * 0.1
+    if kind == "diagonal_add_":
+        t = _fresh(h, 1.0)
+        t.diagonal(0, 1, 2).add_(p.diagonal(0, 1, 2).tanh())
+        return t
+    if kind == "checkpoint":  # torch.utils.checkpoint nested inside a tapesac block
+        import torch.utils.checkpoint as ckpt
+
+        return ckpt.checkpoint(lambda t: torch.sin(t) * torch.tanh(t), h, use_reentrant=False)
+    if kind == "masked_scatter":
+        mask = p > 0
+        return h.masked_scatter(mask, h.flip(-1) * 0.5)
+    if kind == "as_strided":
+        b_, t_, d_ = h.shape
+        hc = h.contiguous()
+        return hc + hc.as_strided((b_, t_, d_), (t_ * d_, d_, 0)).tanh()  # broadcast the first column
+    if kind == "clone_contig_inplace":
+        t = h.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        t.mul_(1.5)
+        return t.transpose(1, 2)
+    raise KeyError(f"unknown op kind {kind!r}")
+
+
+class ProgramModel(nn.Module):
+    def __init__(self, program: Program):
+        super().__init__()
+        b, t, d = program.shape
+        self.program = program
+        self.stem = nn.Linear(d, d) if program.stem else None
+        self.blocks = nn.ModuleList(RandomBlock(ops, program.shape, program.tuple_out) for ops in program.blocks)
+
+    def _call(self, blk: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        out = blk(h)
+        if isinstance(out, tuple):
+            return out[0] + 0.1 * out[1]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.program.autocast):
+            h = self.stem(x) if self.stem is not None else x
+            for blk in self.blocks:
+                h = self._call(blk, h)
+            if self.program.repeat_first:
+                h = self._call(self.blocks[0], h)
+        return h.float()
+
+
+def build_model(program: Program) -> ProgramModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(program.seed)
+        model = ProgramModel(program)
+    model.train()
+    return model
+
+
+def make_input(program: Program) -> torch.Tensor:
+    g = torch.Generator().manual_seed(program.seed + 1)
+    return torch.randn(*program.shape, generator=g).requires_grad_(program.input_grad)
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean() + out.sum() * 0.01
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Running and comparing
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class ProgramFailure(AssertionError):
+    pass
+
+
+class ProgramRejected(Exception):
+    """The plain run itself is not a usable reference (non-finite loss or gradient)."""
+
+
+@dataclass
+class RunResult:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    input_grad: torch.Tensor | None
+    buffers: dict[str, torch.Tensor]
+    rng: torch.Tensor
+    stats: Any = None
+    warnings: list[str] = field(default_factory=list)
+
+
+RUN_SEED = 12345
+
+
+def run_plain(model: nn.Module, program: Program) -> RunResult:
+    x = make_input(program)
+    torch.manual_seed(RUN_SEED)
+    loss = loss_of(model(x))
+    loss.backward()
+    return RunResult(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, x.grad,
+                     {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state())
+
+
+def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
+    import tapesac
+
+    x = make_input(program)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sac = tapesac.TapeSAC(model, blocks=model.blocks, policy=policy, contract=program.contract)
+        try:
+            torch.manual_seed(RUN_SEED)
+            with sac.step():
+                loss = loss_of(model(x))
+                loss.backward()
+            stats = sac.last_step
+        finally:
+            sac.close()
+    return RunResult(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, x.grad,
+                     {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state(), stats,
+                     [str(w.message) for w in caught])
+
+
+def _diff(name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> str | None:
+    if got is None or want is None:
+        if got is None and want is None:
+            return None
+        return f"{name}: tapesac {'None' if got is None else 'defined'}, plain {'None' if want is None else 'defined'}"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{name}: tapesac {tuple(got.shape)} {got.dtype}, plain {tuple(want.shape)} {want.dtype}"
+    if torch.equal(got, want):
+        return None
+    d = (got.double() - want.double()).abs()
+    return f"{name}: max |diff| {d.max().item():.3e}, {int((d != 0).sum())} of {d.numel()} elements differ"
+
+
+def compare(got: RunResult, want: RunResult) -> list[str]:
+    out = [_diff("loss", got.loss, want.loss), _diff("input grad", got.input_grad, want.input_grad)]
+    out += [_diff(f"grad of {n}", got.grads[n], want.grads[n]) for n in want.grads]
+    out += [_diff(f"buffer {n}", got.buffers[n], want.buffers[n]) for n in want.buffers]
+    if not torch.equal(got.rng, want.rng):
+        out.append("CPU RNG state after the step differs (replay advanced or changed the generator)")
+    return [m for m in out if m]
+
+
+def random_op_set(model: nn.Module, program: Program) -> frozenset[str]:
+    """A random subset of the ops the program's forward records (so that the set keeps something)."""
+    import tapesac
+
+    state = copy.deepcopy(model.state_dict())  # record_ops runs the forward: BatchNorm stats move
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RUN_SEED)
+        names = sorted(set(tapesac.record_ops(model, make_input(program))))
+    model.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+    rng = random.Random(program.op_set_seed)
+    return frozenset(n for n in names if rng.random() < 0.35)
+
+
+def policies_for(model: nn.Module, program: Program) -> list[tuple[str, Any]]:
+    return [("full", "full"), ("none", "none"), ("op_set", random_op_set(model, program))]
+
+
+@dataclass
+class ProgramOutcome:
+    program: Program
+    rejected: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_program(seed: int, policies: list[str] | None = None) -> ProgramOutcome:
+    """Runs program `seed` plain and under each policy; raises ProgramFailure with the seed and program on mismatch."""
+    return check(Program.generate(seed), policies)
+
+
+def check(program: Program, policies: list[str] | None = None, extra: dict[str, Any] | None = None) -> ProgramOutcome:
+    """check_program for a given Program; `extra` adds labelled policies (e.g. a fixed op set)."""
+    seed = program.seed
+    base = build_model(program)
+    # One model for every run (cheaper than deep copies): the initial state is restored before each run.
+    initial = copy.deepcopy(base.state_dict())
+    try:
+        want = run_plain(base, program)
+    except Exception as e:  # the generator must only emit valid programs: report it like a failure
+        raise ProgramFailure(f"seed {seed}: the plain run (no tapesac) raised {type(e).__name__}: {e}\n{program}") from e
+    finite = math.isfinite(want.loss.item()) and all(
+        g is None or bool(torch.isfinite(g).all()) for g in [want.input_grad, *want.grads.values()])
+    if not finite:
+        return ProgramOutcome(program, rejected=True)
+    outcome = ProgramOutcome(program)
+    base.load_state_dict(initial)
+    base.zero_grad(set_to_none=True)
+    for label, policy in policies_for(base, program) + list((extra or {}).items()):
+        if policies is not None and label not in policies:
+            continue
+        model = base
+        model.load_state_dict(initial)
+        model.zero_grad(set_to_none=True)
+        where = f"seed {seed}, policy {label}{'' if isinstance(policy, str) else ' ' + repr(sorted(policy))}"
+        try:
+            got = run_tapesac(model, program, policy)
+        except Exception as e:
+            raise ProgramFailure(f"{where}: the tapesac step raised {type(e).__name__}: {e}\n{program}\n"
+                                 f"reproduce: cd tests/python && python3 -c 'import random_program as R; "
+                                 f"R.check_program({seed})'") from e
+        diffs = compare(got, want)
+        st = got.stats
+        if not diffs:
+            calls = len(program.blocks) + program.repeat_first
+            if st is None or st.ops_recorded <= 0 or st.saved_tensors <= 0 or st.block_calls != calls:
+                diffs.append(f"tapesac recorded nothing or the wrong number of blocks: {st}")
+            elif label == "none" and (st.dropped_tensors or st.ops_replayed):
+                diffs.append(f"policy 'none' dropped or replayed: {st}")
+            elif label == "full" and (st.dropped_tensors == 0 or st.ops_replayed == 0):
+                diffs.append(f"policy 'full' dropped or replayed nothing (every block saves tanh's output): {st}")
+        if diffs:
+            raise ProgramFailure(f"{where}: tapesac differs from the plain run:\n  " + "\n  ".join(diffs[:8]) +
+                                 f"\n{program}\nreproduce: cd tests/python && python3 -c 'import random_program as R; "
+                                 f"R.check_program({seed})'")
+        outcome.stats[label] = st
+        outcome.warnings += got.warnings
+    return outcome

@@ -154,6 +154,11 @@ class _OpSetPolicy:
         return [op for name, op in {**self.exact, **self.packets}.items() if name not in self.matched]
 
 
+def _is_compiled(module: nn.Module) -> bool:
+    """True for torch.compile(module) (an OptimizedModule) and module.compile() (compiled in place)."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def _model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (CPU for a model without any)."""
     for t in model.parameters():
@@ -280,6 +285,15 @@ class TapeSAC:
             raise ConfigError("approx: approximate rematerialization is not available yet; pass approx=None")
         self._model = model
         self._blocks = _resolve_blocks(model, blocks)
+        compiled = [n for n, m in self._blocks if _is_compiled(m)]
+        if compiled:
+            warnings.warn(
+                f"tapesac: block(s) {compiled[:4]}{'...' if len(compiled) > 4 else ''} are torch.compile'd: a "
+                f"compiled forward runs as one opaque graph that tapesac cannot replay, so everything it saves is "
+                f"kept (exact, but no memory is saved). Apply tapesac to the uncompiled blocks (compile submodules "
+                f"inside them, or other parts of the model) to checkpoint them.",
+                stacklevel=2,
+            )
         self._policy_label, session_policy, save_op = self._normalize_policy(policy)
         self._save_op = save_op
         check = contract != "off"
@@ -533,6 +547,11 @@ class TapeSAC:
         from .report import SCHEMA_VERSION
 
         record = {"schema_version": SCHEMA_VERSION, "kind": "step", **asdict(stats)}
+        if stats.step in (1, 2, 10) or stats.step % 100 == 0:
+            # The memory timeline on a few steps only (it is the bulk of a record), thinned to <= 1024 points.
+            pts = self._timeline.get("timeline", [])
+            stride = max(1, -(-len(pts) // 1024))
+            record["timeline"] = {"timeline": pts[::stride], "spans": self._timeline.get("spans", [])}
         try:
             with self._log_path.open("a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -543,6 +562,27 @@ class TapeSAC:
     def plan(self) -> dict[str, Any] | None:
         """Policy "auto": the plan in use (predicted peak and replay cost, per block call kept bytes), else None."""
         return self._plan
+
+    def frontier(self, points: int = 12) -> "Frontier":
+        """Policy "auto": the planner's memory/time frontier for the current tapes — the best plan's predicted step
+        peak and replay time at ``points`` limits from the smallest feasible peak to the keep-everything peak —
+        plus the steps measured so far. Needs one finished step."""
+        from .frontier import Frontier
+
+        if self._planner is None or self._plan is None:
+            raise TapeSACError("frontier() needs policy='auto' (a memory_limit) and one finished step")
+        if not isinstance(points, int) or isinstance(points, bool) or not 2 <= points <= 1000:
+            raise ConfigError(f"frontier(points={points!r}): expected an int in [2, 1000]")
+        planned = [
+            {"limit_bytes": lim, "predicted_peak_bytes": peak, "predicted_replay_ms": cost / 1e6, "kept_bytes": kept}
+            for lim, peak, cost, kept in self._planner.frontier(points)
+        ]
+        measured = [
+            {"step": st.step, "peak_bytes": st.memory.peak_bytes if st.memory else 0, "replay_ms": st.replay_ms,
+             "step_ms": st.step_ms, "policy": st.policy}
+            for st in self._history
+        ]
+        return Frontier(planned=planned, measured=measured, limit_bytes=self._limit)
 
     @property
     def plans(self) -> list[dict[str, Any]]:

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sac", action="store_true", help="train without tapesac (baseline step times)")
     p.add_argument("--no-check", action="store_true", help="skip the bitwise exactness check")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--memory-limit", default=None, help='step-peak limit for policy "auto", e.g. "40MiB" or "90%%"')
+    p.add_argument("--log", default=None, metavar="PATH", help="append tapesac's per-step telemetry (JSON lines)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write the last step's memory plot (PNG)")
     return p
 
 
@@ -215,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The reference copy is taken before TapeSAC sees the model, so nothing of tapesac can be copied along.
     ref_model = copy.deepcopy(model) if not (args.no_sac or args.no_check) else None
     try:
-        sac = None if args.no_sac else tapesac.TapeSAC(model, blocks="model.layers.*", policy=policy)
+        sac = None if args.no_sac else tapesac.TapeSAC(
+            model, blocks="model.layers.*", policy=policy, memory_limit=args.memory_limit, log=args.log)
     except tapesac.ConfigError as e:
         print(f"tapesac demo: {e}", file=sys.stderr)
         return 2
@@ -292,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sac is not None:
             report = sac.report()
             print(report.pretty())
+            if args.plot:
+                print(f"memory plot: {report.plot(args.plot)}")
         if args.json:
             out = {
                 "schema_version": 1,

@@ -92,7 +92,10 @@ class StepReport:
         if not records:
             raise ConfigError(f"{p} holds no step records; run steps with TapeSAC(log={str(p)!r}) first")
         blocks = [b["name"] for b in records[-1]["blocks"]]
-        return cls._from_records(records, list(dict.fromkeys(blocks)), {})
+        timeline = next((r["timeline"] for r in reversed(records) if r.get("timeline")), {})
+        for r in records:
+            r.pop("timeline", None)
+        return cls._from_records(records, list(dict.fromkeys(blocks)), timeline)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,7 +1,7 @@
 """``python -m tapesac report LOG.jsonl [LOG2.jsonl ...] [--plot PNG] [--json PATH]``: prints the summary of each
-telemetry log a ``TapeSAC(log=...)`` wrote and writes one PNG comparing them (per-block kept / dropped /
-replayed bytes and step peaks; logs hold no timeline, so the timeline panel says so — ``sac.report().plot()``
-draws the timeline of a live run)."""
+telemetry log a ``TapeSAC(log=...)`` wrote and writes one PNG comparing them: per log, the memory timeline of
+the latest step that logged one (steps 1, 2, 10 and every 100th) and the per-block kept / dropped / replayed
+bytes of the last step."""
 
 from __future__ import annotations
 

@@ -487,3 +487,23 @@ def test_inplace_modification_before_backward_is_detected(tapesac, mutate) -> No
     finally:
         sac.close()
     assert_clean_step_works(tapesac)
+
+
+def test_compiled_block_is_kept_with_a_warning(tapesac) -> None:
+    """A torch.compile'd block runs as an opaque graph: tapesac warns, keeps what it saves, and stays exact (the
+    reference is the same compiled model without tapesac; the eager backend keeps the test fast and compiler-free)."""
+    model = stack()
+    ref = copy.deepcopy(model)
+    model.blocks[0] = torch.compile(model.blocks[0], backend="eager")
+    ref.blocks[0] = torch.compile(ref.blocks[0], backend="eager")
+    with pytest.warns(UserWarning, match="torch.compile"):
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    for _ in range(2):
+        x = x_in().detach()
+        with sac.step():
+            default_loss(model, (x,)).backward()
+        default_loss(ref, (x,)).backward()
+        assert_same_grads(model, ref)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    sac.close()

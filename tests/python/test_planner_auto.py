@@ -138,3 +138,28 @@ def test_auto_needs_a_limit_and_replans_on_new_shapes(tapesac) -> None:
     with pytest.raises(tapesac.ConfigError):
         sac.memory_limit = None
     sac.close()
+
+
+def test_frontier_is_monotone_and_plots(tapesac, tmp_path) -> None:
+    x = _tokens()
+    peaks = _peaks(tapesac, _qwen, x)
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, memory_limit=(peaks["none"] + peaks["full"]) // 2)
+    with pytest.raises(tapesac.TapeSACError):
+        sac.frontier()  # no step yet
+    for _ in range(2):
+        _step(sac, model, x)
+        model.zero_grad(set_to_none=True)
+    f = sac.frontier(points=8)
+    assert len(f.planned) == 8
+    mem = [p["predicted_peak_bytes"] for p in f.planned]
+    cost = [p["predicted_replay_ms"] for p in f.planned]
+    assert all(a <= b for a, b in zip(mem, mem[1:]))
+    assert all(a >= b for a, b in zip(cost, cost[1:]))
+    assert cost[0] > cost[-1] == 0.0  # the smallest feasible plan replays; keeping everything replays nothing
+    assert len(f.measured) == 2 and "planner frontier" in f.pretty()
+    png = f.plot(tmp_path / "f.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(tapesac.ConfigError):
+        sac.frontier(points=1)
+    sac.close()

@@ -125,13 +125,18 @@ def test_impossible_limit_raises_with_numbers_and_next_step_works(tapesac) -> No
     ref = copy.deepcopy(model)
     x = _tokens()
     sac = tapesac.TapeSAC(model, policy="full", memory_limit=1_000_000)
-    with pytest.raises(tapesac.MemoryLimitError) as ei:
-        with sac.step():
-            _lm_step(model, x)
-    msg = str(ei.value)
+    with tapesac.MemoryMeter() as meter:
+        with pytest.raises(tapesac.MemoryLimitError) as ei:
+            with sac.step():
+                _lm_step(model, x)
+        msg = str(ei.value)
+        ei.value.__traceback__ = None  # the traceback's frames would keep the step's tensors alive
+        del ei
+    model.zero_grad(set_to_none=True)
+    # Everything the failed step allocated is freed: memory is back at its baseline.
+    assert meter.current_bytes == 0, meter.current_bytes
     assert "1000000 bytes" in msg and "model.layers." in msg and "backward" in msg and "at least" in msg, msg
     # Nothing is left behind: the same instance runs a correct step once the limit is lifted.
-    model.zero_grad(set_to_none=True)
     sac.memory_limit = None
     assert sac.memory_limit is None
     with sac.step():
@@ -293,7 +298,8 @@ def test_jsonl_log_and_report_cli(tapesac, tmp_path, capsys) -> None:
         rec = json.loads(lines[-1])
         assert rec["kind"] == "step" and rec["policy"] == policy and rec["memory"]["peak_bytes"] > 0
         logs.append(log)
-    assert tapesac.StepReport.from_jsonl(logs[0]).steps == 3
+    from_log = tapesac.StepReport.from_jsonl(logs[0])
+    assert from_log.steps == 3 and from_log.timeline["points"]  # step 2 logged its timeline
     png = tmp_path / "cmp.png"
     assert cli.main(["report", str(logs[0]), str(logs[1]), "--plot", str(png)]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""Overhead of tapesac's memory telemetry on the demo model (CPU), as a ratio from one interleaved run.
+
+Two comparisons, each A/B interleaved over --rounds rounds after warm-up, medians reported:
+  1. the counting allocator layer: a plain training step (no tapesac) inside a MemoryMeter vs without;
+  2. the step timeline: a tapesac step (policy "full") recording its memory timeline (8192 points, one per
+     allocation and free until decimated) vs the same step with the timeline off (counters still on).
+Usage: python perf/bench_telemetry.py [--rounds 40] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import tapesac  # noqa: E402
+from tapesac import _C  # noqa: E402
+from tapesac.models import tiny_qwen3  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = tiny_qwen3()
+    x = torch.randint(0, 259, (args.batch, args.seq))
+
+    def plain() -> None:
+        model(input_ids=x, labels=x).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def metered() -> None:
+        with tapesac.MemoryMeter():
+            plain()
+
+    sac = tapesac.TapeSAC(model, policy="full")
+
+    def with_telemetry() -> None:
+        with sac.step():
+            model(input_ids=x, labels=x).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    # The same step with the session's timeline disabled (the counters still count).
+    sac_off = tapesac.TapeSAC(model, policy="full")
+    sac_off._session = _C.Session("full", None, True, True, False, timeline_points=0)
+
+    def without_timeline() -> None:
+        with sac_off.step():
+            model(input_ids=x, labels=x).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    pairs = {"allocator layer (plain step)": (plain, metered),
+             "step timeline (tapesac full)": (without_timeline, with_telemetry)}
+    for a, b in pairs.values():
+        for _ in range(3):
+            a()
+            b()
+    results = {}
+    for name, (a, b) in pairs.items():
+        ta, tb = [], []
+        for _ in range(args.rounds):
+            for fn, acc in ((a, ta), (b, tb)):
+                t0 = time.perf_counter()
+                fn()
+                acc.append(time.perf_counter() - t0)
+        ma, mb = statistics.median(ta), statistics.median(tb)
+        results[name] = {"baseline_ms": ma * 1e3, "with_ms": mb * 1e3, "ratio": mb / ma}
+        print(f"{name:<32} without {ma * 1e3:8.2f} ms   with {mb * 1e3:8.2f} ms   ratio {mb / ma:.4f}")
+    if args.json:
+        env = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+               "cpu_count": os.cpu_count(), "batch": args.batch, "seq": args.seq, "rounds": args.rounds}
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

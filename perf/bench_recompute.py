@@ -16,16 +16,19 @@ import copy
 import json
 import os
 import sys
+from contextlib import nullcontext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import tapesac  # noqa: E402
+from bench_step import load_bench  # noqa: E402  (this checkout's python/tapesac/bench.py)
+
+bench = load_bench()
 
 
 class OpCounter(TorchDispatchMode):
@@ -39,38 +42,14 @@ class OpCounter(TorchDispatchMode):
 
 
 def build(layers: int, hidden: int) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from tapesac.models import tiny_qwen3
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=259, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=hidden // 4, intermediate_size=3 * hidden, max_position_embeddings=512, use_cache=False,
-        tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(cfg)
-
-
-class _Checkpointed(torch.nn.Module):
-    """A decoder layer run under torch.utils.checkpoint (non-reentrant); attributes forwarded."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, *args, **kwargs):
-        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.layer, name)
+    return tiny_qwen3(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, seed=0)
 
 
 def run(model: torch.nn.Module, ids: torch.Tensor, mode: str):
     sac = tapesac.TapeSAC(model, blocks="model.layers.*", policy="full") if mode == "tapesac" else None
-    if mode == "checkpoint":
-        model.model.layers = torch.nn.ModuleList(_Checkpointed(l) for l in model.model.layers)
     ops, flops = OpCounter(), FlopCounterMode(display=False)
     torch.manual_seed(1)
     if sac is not None:
@@ -79,10 +58,13 @@ def run(model: torch.nn.Module, ids: torch.Tensor, mode: str):
             with flops, ops:
                 loss.backward()
     else:
-        loss = model(input_ids=ids, labels=ids).loss
-        with flops, ops:
-            loss.backward()
-    grads = {n.replace(".layer.", "."): p.grad for n, p in model.named_parameters()}
+        # checkpoint: every decoder layer's forward runs under torch.utils.checkpoint (non-reentrant) while open.
+        region = bench.checkpointed_blocks(list(model.model.layers)) if mode == "checkpoint" else nullcontext()
+        with region:
+            loss = model(input_ids=ids, labels=ids).loss
+            with flops, ops:
+                loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
     return loss.detach(), grads, ops.counts, flops.get_total_flops()
 
 

@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import gc
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -307,33 +304,10 @@ def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, An
 
 
 def environment() -> dict[str, Any]:
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
+    """The environment record shared with the benchmark suite (git commit, versions, CPU, threads, date)."""
+    from tapesac.bench import environment as suite_environment
 
-    cpu = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    status = git("status", "--porcelain")
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": git("rev-parse", "HEAD"),  # None before the first commit
-        "git_dirty": bool(status) if status is not None else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
-
+    return suite_environment()
 
 def print_table(results: list[dict[str, Any]]) -> None:
     for res in results:

@@ -7,6 +7,7 @@ per op or per saved tensor is C++ (``tapesac._C``); this module runs per block c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import json
@@ -30,6 +31,7 @@ __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 POLICIES = ("none", "full", "auto")
 BACKENDS = ("auto", "eager")
 CONTRACTS = ("check", "strict", "off")
+HISTORY_STEPS = 1000
 
 _thread_state = threading.local()
 
@@ -326,7 +328,8 @@ class TapeSAC:
         self._timeline: dict[str, Any] = {}
         self._steps = 0
         self._last: StepStats | None = None
-        self._history: list[StepStats] = []
+        # The last HISTORY_STEPS steps (a 40,000-step run must not grow host memory step by step).
+        self._history: collections.deque[StepStats] = collections.deque(maxlen=HISTORY_STEPS)
         self._closed = False
         self._open: list[tuple[nn.Module, Any]] = []
         self._warned_unmatched = False
@@ -365,6 +368,7 @@ class TapeSAC:
 
     @property
     def history(self) -> list[StepStats]:
+        """Statistics of the last ``HISTORY_STEPS`` (1000) steps, oldest first."""
         return list(self._history)
 
     # -- the step ---------------------------------------------------------------------------------------------
@@ -610,7 +614,8 @@ class TapeSAC:
         """A StepReport of the steps run so far (the last step in detail)."""
         from .report import StepReport
 
-        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._timeline)
+        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._timeline,
+                                       total_steps=self._steps)
 
     def close(self) -> None:
         """Ends any open step and releases the runtime; the model is left exactly as it was."""

@@ -7,6 +7,7 @@ such a file into a report (``python -m tapesac report FILE``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -49,10 +50,13 @@ class StepReport:
 
     @classmethod
     def from_history(cls, history: Sequence[StepStats], blocks: Sequence[str],
-                     timeline: dict[str, Any] | None = None) -> "StepReport":
+                     timeline: dict[str, Any] | None = None, total_steps: int | None = None) -> "StepReport":
         # Through JSON so that a report and its to_dict()/from_dict() round trip compare equal (tuples -> lists).
         records = json.loads(json.dumps([asdict(s) for s in history]))
-        return cls._from_records(records, blocks, timeline or {})
+        rep = cls._from_records(records, blocks, timeline or {})
+        if total_steps is not None and total_steps != rep.steps:
+            rep = dataclasses.replace(rep, steps=total_steps)
+        return rep
 
     @classmethod
     def _from_records(cls, records: Sequence[dict[str, Any]], blocks: Sequence[str],

@@ -312,3 +312,19 @@ def test_jsonl_log_and_report_cli(tapesac, tmp_path, capsys) -> None:
         tapesac.TapeSAC(model, log=tmp_path / "missing-dir" / "x.jsonl")
     with pytest.raises(tapesac.ConfigError):
         tapesac.TapeSAC(model, log=123)
+
+
+def test_history_is_bounded(tapesac) -> None:
+    from tapesac import core
+
+    torch.manual_seed(0)
+    model = stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    assert sac._history.maxlen == core.HISTORY_STEPS == 1000
+    sac._history = core.collections.deque(maxlen=5)  # the same deque the constructor makes, smaller
+    for _ in range(8):
+        with sac.step():
+            model(x_in()).square().mean().backward()
+    assert len(sac.history) == 5 and sac.history[-1].step == 8
+    assert sac.report().steps == 8 and len(sac.report().peaks) == 5
+    sac.close()

@@ -1,0 +1,148 @@
+"""The benchmark suite's smoke mode runs end to end and writes a complete, self-consistent JSON.
+
+`tapesac.bench.main(["--smoke", "--json", path])` (tiny Qwen3, Qwen3-MoE and Llama, 3 timed rounds, ~15 s on the
+2-core CPU machine): every variant the suite knows is present, each either timed (positive numbers, consistent
+ratios, validated against no checkpointing) or carrying the reason it was not; tapesac's own modes are bitwise
+exact. A short long-mode run (--train-steps 3 on Austen) checks the training report the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+import tapesac
+
+STATUSES = {"ok", "invalid", "error", "unavailable", "skipped"}
+# Required: fail the suite when not "ok". The peers and tapesac features not built yet may report a reason instead.
+REQUIRED = ("nockpt", "tapesac_none", "tapesac_full", "tapesac_ops")
+ALWAYS = ("nockpt", "ckpt", "torch_sac", "compile_b0.5", "tapesac_none", "tapesac_full", "tapesac_ops",
+          "tapesac_full_cuda_graph")
+
+
+def _bench():
+    from tapesac import bench
+
+    return bench
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "smoke.json"
+    rc = _bench().main(["--smoke", "--json", str(path), "--quiet"])
+    return rc, json.loads(path.read_text())
+
+
+def test_smoke_exit_status_and_environment(smoke):
+    rc, report = smoke
+    assert rc == 0, "bench --smoke failed: a required variant is invalid or crashed (see its stderr)"
+    env = report["environment"]
+    for key in ("git_commit", "torch", "cuda_build", "device", "cpu_count", "date", "threads"):
+        assert key in env, f"environment lacks {key!r}: {sorted(env)}"
+    assert report["schema_version"] == 1
+    assert report["memory_method"], "the JSON must say how peak memory was measured"
+    assert {w["model"] for w in report["workloads"]} == {"qwen3", "qwen3_moe", "llama"}
+
+
+def test_smoke_every_variant_present_with_numbers_or_reason(smoke):
+    _, report = smoke
+    for w in report["workloads"]:
+        variants = w["variants"]
+        missing = [n for n in ALWAYS if n not in variants]
+        assert not missing, f"{w['name']}: variants missing from the JSON: {missing}"
+        assert any(n.startswith("tapesac_auto") for n in variants), f"{w['name']}: no tapesac auto entry"
+        for name, r in variants.items():
+            where = f"{w['name']}/{name}"
+            assert r["status"] in STATUSES, f"{where}: unknown status {r['status']!r}"
+            if r["status"] != "ok":
+                assert r.get("reason"), f"{where}: status {r['status']} without a reason"
+                assert "step_ms" not in r, f"{where}: a variant that is not ok must not be timed"
+                continue
+            assert r["validation"]["valid"] is True, f"{where}: timed but not validated: {r['validation']}"
+            t = r["step_ms"]
+            assert t["n"] >= 1 and 0 < t["min"] <= t["median"] <= t["max"], f"{where}: bad step times {t}"
+            assert t["q1"] <= t["median"] <= t["q3"], f"{where}: quartiles {t}"
+            assert r["peak_bytes"] > 0, f"{where}: peak memory {r['peak_bytes']}"
+            for key in ("time_ratio_nockpt", "time_ratio_ckpt", "peak_ratio_nockpt", "peak_ratio_ckpt"):
+                assert r[key] > 0 and math.isfinite(r[key]), f"{where}: {key}={r.get(key)}"
+            assert r["recompute_method"], f"{where}: recompute time without its method"
+            if name.startswith("tapesac_auto_"):
+                assert isinstance(r["within_limit"], bool), f"{where}: auto without the peak-vs-limit check"
+        for name in REQUIRED:
+            r = variants[name]
+            assert r["status"] == "ok", f"{w['name']}/{name}: {r['status']}: {r.get('reason')}"
+            if name != "nockpt":
+                assert r["validation"]["method"] == "bitwise", f"{w['name']}/{name}: {r['validation']}"
+                assert r["recompute_method"].startswith("measured"), r["recompute_method"]
+
+
+def test_smoke_ratios_consistent(smoke):
+    _, report = smoke
+    for w in report["workloads"]:
+        v = w["variants"]
+        base, ckpt = v["nockpt"], v["ckpt"]
+        assert base["time_ratio_nockpt"] == 1.0 and base["peak_ratio_nockpt"] == 1.0
+        if ckpt["status"] == "ok":
+            assert ckpt["time_ratio_ckpt"] == 1.0 and ckpt["peak_ratio_ckpt"] == 1.0
+            assert ckpt["block_forwards_per_step"] == 2 * w["blocks"], "checkpoint did not recompute each block"
+        for name, r in v.items():
+            if r["status"] != "ok":
+                continue
+            where = f"{w['name']}/{name}"
+            assert r["peak_ratio_nockpt"] == pytest.approx(r["peak_bytes"] / base["peak_bytes"], rel=1e-12), where
+            assert r["time_ratio_nockpt_of_medians"] == pytest.approx(
+                r["step_ms"]["median"] / base["step_ms"]["median"], rel=1e-9), where
+            if ckpt["status"] == "ok":
+                assert r["peak_ratio_ckpt"] == pytest.approx(r["peak_bytes"] / ckpt["peak_bytes"], rel=1e-12), where
+            if not r["recompute_method"].startswith("measured") and name != "nockpt":
+                assert r["recompute_ms"] == pytest.approx(r["step_ms"]["median"] - base["step_ms"]["median"],
+                                                          rel=1e-9, abs=1e-9), where
+        # tapesac "full" keeps only what replay cannot rebuild: it must not hold more than "none" at the peak.
+        assert v["tapesac_full"]["peak_bytes"] <= v["tapesac_none"]["peak_bytes"], w["name"]
+
+
+def test_long_mode_short_run(tmp_path):
+    from tapesac.data import find_corpus
+
+    if find_corpus() is None:
+        pytest.skip("the Austen corpus (../shared/data/austen) is not on this machine")
+    path = tmp_path / "long.json"
+    rc = _bench().main(["--train-steps", "3", "--train-size", "smoke", "--json", str(path), "--quiet",
+                        "--train-plot", str(tmp_path / "long.png")])
+    assert rc == 0
+    long = json.loads(path.read_text())["long"]
+    assert long["steps"] == 3 and set(long["runs"]) >= {"nockpt", "ckpt"}
+    assert any(n.startswith("tapesac") for n in long["runs"]), long["runs"].keys()
+    for name, r in long["runs"].items():
+        assert len(r["loss"]) == 3 and len(r["step_s"]) == 3 and r["total_s"] > 0, name
+        assert r["total_s"] == pytest.approx(sum(r["step_s"])), name
+        # Every run is exact, so on CPU all loss curves are the same numbers.
+        assert r["losses_bitwise_equal_to_nockpt"] is True, f"{name}: loss curve differs from no checkpointing"
+        assert statistics.fmean(r["loss"]) > 0
+    assert (tmp_path / "long.png").stat().st_size > 0
+
+
+def test_invalid_variant_is_reported_and_not_timed(tmp_path, monkeypatch):
+    """A variant whose gradients differ from no checkpointing is INVALID, never timed, and fails the run."""
+    bench = _bench()
+
+    def wrong(ctx):
+        def step():
+            loss = ctx.work.loss() * 1.5  # scaled loss: every gradient is wrong
+            loss.backward()
+            return loss
+
+        return [bench.Variant(name="wrong", label="loss x 1.5", kind="tapesac", step=step)]
+
+    monkeypatch.setattr(bench, "VARIANT_FACTORIES", [bench.nockpt_variants, wrong])
+    path = tmp_path / "invalid.json"
+    rc = bench.main(["--smoke", "--models", "qwen3", "--json", str(path), "--quiet"])
+    assert rc == 1, "an invalid required variant must fail the run"
+    r = json.loads(path.read_text())["workloads"][0]["variants"]["wrong"]
+    assert r["status"] == "invalid" and "not bitwise equal" in r["reason"], r
+    assert "step_ms" not in r and "peak_bytes" not in r, "an invalid variant must not be timed or measured"

@@ -2,6 +2,8 @@
 
 Two comparisons, each A/B interleaved over --rounds rounds after warm-up, medians reported:
   1. the counting allocator layer: a plain training step (no tapesac) inside a MemoryMeter vs without;
+  0. per allocation: 20,000 torch.empty(256) + free in a loop, plain vs inside a MemoryMeter (ns per pair), and
+     the number of allocations one demo step makes (so that the per-step cost follows without timing noise);
   2. the step timeline: a tapesac step (policy "full") recording its memory timeline (8192 points, one per
      allocation and free until decimated) vs the same step with the timeline off (counters still on).
 Usage: python perf/bench_telemetry.py [--rounds 40] [--json PATH]
@@ -60,13 +62,33 @@ def main() -> None:
             model(input_ids=x, labels=x).loss.backward()
         model.zero_grad(set_to_none=True)
 
+    def alloc_loop(n: int = 20000) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = torch.empty(256)
+            del t
+        return (time.perf_counter() - t0) / n * 1e9
+
+    a, b = [], []
+    for _ in range(10):
+        a.append(alloc_loop())
+        with tapesac.MemoryMeter():
+            b.append(alloc_loop())
+    per_alloc = statistics.median(b) - statistics.median(a)
+    with tapesac.MemoryMeter() as m:
+        plain()
+    allocs = m.allocations
+    print(f"per allocation+free: plain {statistics.median(a):.0f} ns, counted {statistics.median(b):.0f} ns "
+          f"(+{per_alloc:.0f} ns); one plain step makes {allocs} allocations -> {per_alloc * allocs / 1e6:.3f} ms")
+    results = {"per_alloc_ns": {"plain": statistics.median(a), "counted": statistics.median(b),
+                                "extra": per_alloc}, "allocations_per_step": allocs}
+
     pairs = {"allocator layer (plain step)": (plain, metered),
              "step timeline (tapesac full)": (without_timeline, with_telemetry)}
     for a, b in pairs.values():
         for _ in range(3):
             a()
             b()
-    results = {}
     for name, (a, b) in pairs.items():
         ta, tb = [], []
         for _ in range(args.rounds):
@@ -76,7 +98,11 @@ def main() -> None:
                 acc.append(time.perf_counter() - t0)
         ma, mb = statistics.median(ta), statistics.median(tb)
         results[name] = {"baseline_ms": ma * 1e3, "with_ms": mb * 1e3, "ratio": mb / ma}
+        if name.startswith("allocator"):
+            results["per_step_cost_fraction"] = per_alloc * allocs / 1e9 / ma
         print(f"{name:<32} without {ma * 1e3:8.2f} ms   with {mb * 1e3:8.2f} ms   ratio {mb / ma:.4f}")
+        if name.startswith("allocator"):
+            print(f"  per-allocation cost x allocations / step time = {results['per_step_cost_fraction']:.4%}")
     if args.json:
         env = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
                "cpu_count": os.cpu_count(), "batch": args.batch, "seq": args.seq, "rounds": args.rounds}

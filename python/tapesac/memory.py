@@ -159,6 +159,11 @@ class MemoryMeter:
     def allocated_bytes(self) -> int:
         return int(self._read()["allocated"])
 
+    @property
+    def allocations(self) -> int:
+        """Number of allocations counted."""
+        return int(self._read()["allocations"])
+
 
 @dataclass(frozen=True)
 class PhaseMemory:

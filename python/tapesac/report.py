@@ -132,6 +132,10 @@ class StepReport:
             f"{last['dropped_tensors']} dropped ({_mib(last['dropped_bytes'])} MiB), {last['opaque_tensors']} opaque; "
             f"{last['ops_replayed']} ops replayed in {last['replays']} replay(s)",
         ]
+        if last.get("policy") == "auto":
+            planned = sum(1 for b in last["blocks"] if b.get("planned"))
+            lines.append(f"plan: {planned} of {len(last['blocks'])} block call(s) ran the plan (the others found no "
+                         f"plan for their tape and ran 'full'; the planner re-plans after such a step)")
         mem = last.get("memory")
         if mem:
             limit = mem.get("memory_limit")

@@ -135,6 +135,7 @@ def test_auto_needs_a_limit_and_replans_on_new_shapes(tapesac) -> None:
     assert not any(b.planned for b in sac.history[1].blocks)
     _step(sac, model, _tokens(seq=96))
     assert all(b.planned for b in sac.last_step.blocks)
+    assert "plan: 4 of 4 block call(s) ran the plan" in sac.report().pretty()
     with pytest.raises(tapesac.ConfigError):
         sac.memory_limit = None
     sac.close()

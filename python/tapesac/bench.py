@@ -511,6 +511,23 @@ def tapesac_auto_variants(ctx: Ctx) -> list[Variant]:
     return out
 
 
+def tapesac_auto_at_sac_peak_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac policy="auto" with the limit at PyTorch SAC's measured peak: the same memory, who is faster."""
+    name, label = "tapesac_auto_sac_peak", "tapesac auto, limit = PyTorch SAC's peak"
+    sac_peak = ctx.results.get("torch_sac", {}).get("peak_bytes")
+    if not sac_peak:
+        return [_placeholder(name, label, "tapesac", "skipped", "needs PyTorch SAC's measured peak")]
+    entry = torch.cuda.memory_allocated() if ctx.cuda else _model_bytes(ctx.work.model)
+    try:
+        v = _tapesac_variant(ctx, name, label, policy="auto", memory_limit=int(entry + sac_peak))
+    except ctx.tapesac.TapeSACError as e:
+        return [_placeholder(name, label, "tapesac", "unavailable", _short_error(e))]
+    v.optional = True
+    v.prime_steps = 2
+    v.info["limit_above_entry_bytes"] = int(sac_peak)
+    return [v]
+
+
 def tapesac_cuda_graph_variants(ctx: Ctx) -> list[Variant]:
     """tapesac policy="full" with backend="cuda_graph" (GPU only; reported unavailable until the backend lands)."""
     name, label = "tapesac_full_cuda_graph", 'tapesac policy="full", backend="cuda_graph"'
@@ -533,6 +550,7 @@ VARIANT_FACTORIES: list[Callable[[Ctx], list[Variant]]] = [
     compile_variants,
     tapesac_variants,
     tapesac_auto_variants,
+    tapesac_auto_at_sac_peak_variants,
     tapesac_cuda_graph_variants,
 ]
 

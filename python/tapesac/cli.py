@@ -10,6 +10,7 @@ from typing import Sequence
 COMMANDS = {
     "demo": ("demo", "train a small Qwen3-style model on real text with tapesac and print its report"),
     "report": ("report_cli", "summarize a telemetry log (TapeSAC(log=...)) and write its plots"),
+    "frontier": ("frontier_cli", "measure the memory/time plane of one model and draw it with the planner's frontier"),
     "bench": ("bench", "run the side-by-side benchmark suite (no checkpointing, PyTorch checkpoint/SAC, tapesac)"),
 }
 

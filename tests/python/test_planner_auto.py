@@ -164,3 +164,20 @@ def test_frontier_is_monotone_and_plots(tapesac, tmp_path) -> None:
     with pytest.raises(tapesac.ConfigError):
         sac.frontier(points=1)
     sac.close()
+
+
+def test_frontier_cli_smoke(tmp_path, capsys) -> None:
+    from tapesac import cli
+
+    png, js = tmp_path / "f.png", tmp_path / "f.json"
+    assert cli.main(["frontier", "--size", "smoke", "--rounds", "1", "--points", "5", "--plot", str(png),
+                     "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "planner frontier" in out and "torch.utils.checkpoint" in out and "tapesac auto" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json
+
+    data = json.loads(js.read_text())
+    assert len(data["frontier"]["planned"]) == 5
+    labels = [m["label"] for m in data["frontier"]["measured"]]
+    assert any("checkpoint" in label for label in labels) and any("PyTorch SAC" in label for label in labels)

@@ -25,7 +25,7 @@ from tapesac.models import tiny_llama, tiny_qwen3  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["qwen3", "llama"], default="qwen3")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--json", default=None)
@@ -52,7 +52,7 @@ def main() -> None:
     print(f"{args.model}: step peak none {hi / 2**20:.2f} MiB, full {lo / 2**20:.2f} MiB "
           f"(full replays {ref['full'].ops_replayed} ops)")
     print(f"{'limit':>8}{'limit MiB':>11}{'predicted':>11}{'measured':>10}{'error':>8}{'kept MiB':>10}"
-          f"{'ops replayed':>14}{'replay ms':>11}{'plan ms':>9}")
+          f"{'ops replayed':>14}{'replay ms':>11}{'plan ms':>9}{'max step MiB':>14}")
     for frac in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25):
         limit = int(lo + frac * (hi - lo))
         sac = tapesac.TapeSAC(model, memory_limit=limit)
@@ -65,12 +65,15 @@ def main() -> None:
         row = {"fraction": frac, "limit_bytes": limit, "predicted_peak_bytes": plan["predicted_peak_bytes"],
                "measured_peak_bytes": st.memory.peak_bytes, "prediction_error": err, "kept_bytes": st.kept_bytes,
                "ops_replayed": st.ops_replayed, "replay_ms": st.replay_ms, "planning_ms": plan["planning_ms"],
-               "keeps_everything": plan["keeps_everything"], "under_limit": st.memory.peak_bytes <= limit,
+               "keeps_everything": plan["keeps_everything"],
+               "max_step_peak_bytes": max(h.memory.peak_bytes for h in sac.history),
+               "every_step_under_limit": all(h.memory.peak_bytes <= limit for h in sac.history),
                "plans": len(sac.plans), "seconds": elapsed}
         rows.append(row)
         print(f"{frac:>8.2f}{limit / 2**20:>11.2f}{plan['predicted_peak_bytes'] / 2**20:>11.2f}"
               f"{st.memory.peak_bytes / 2**20:>10.2f}{err:>+8.3f}{st.kept_bytes / 2**20:>10.2f}{st.ops_replayed:>14}"
-              f"{st.replay_ms:>11.2f}{plan['planning_ms']:>9.1f}")
+              f"{st.replay_ms:>11.2f}{plan['planning_ms']:>9.1f}{row['max_step_peak_bytes'] / 2**20:>14.2f}"
+              f"{'' if row['every_step_under_limit'] else '  OVER THE LIMIT'}")
         sac.close()
     if args.json:
         env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),

@@ -32,6 +32,7 @@ POLICIES = ("none", "full", "auto")
 BACKENDS = ("auto", "eager")
 CONTRACTS = ("check", "strict", "off")
 HISTORY_STEPS = 1000
+RECALIBRATIONS = 1
 
 _thread_state = threading.local()
 
@@ -310,6 +311,7 @@ class TapeSAC:
         self._planner = None
         self._limit = limit or 0
         self._model_error = 0
+        self._recalibrations = 0
         self._plan: dict[str, Any] | None = None
         self._plans: list[dict[str, Any]] = []
         if self._policy_label == "auto":
@@ -429,19 +431,30 @@ class TapeSAC:
         unplanned = any(not b.planned for b in st.blocks)
         over = measured > limit
         # The peak model is calibrated on the "full" measuring step and errs on the high side on the models we test
-        # (README: the prediction vs measurement table). Re-calibrating on a plan's lower measured peak would let
-        # the next plan keep more but overshoot the limit in between, so the model is only ever corrected upwards.
-        if self._plan is not None and not unplanned and not over:
+        # (README: the prediction vs measurement table). When the first plan's measured peak comes in below its
+        # prediction, the model is re-calibrated once, halfway towards that measurement: the error varies between
+        # plans, so going all the way (or re-calibrating again) could overshoot the limit with the next plan.
+        predicted = self._plan["predicted_peak_bytes"] if self._plan is not None else 0
+        slack = (self._plan is not None and not self._plan["keeps_everything"] and predicted - measured > 0.01 * limit
+                 and self._recalibrations < RECALIBRATIONS)
+        if self._plan is not None and not unplanned and not over and not slack:
             return
+        calibrate_on = measured
         if self._plan is None:
             reason = "first step"
         elif unplanned:
             reason = "new tape"
-        else:
+        elif over:
             reason = "measured peak over the limit"
-        info = dict(self._planner.plan(limit - self._model_error, measured))
+        else:
+            reason = "re-calibrated halfway to the plan's measured peak"
+            calibrate_on = predicted - (predicted - measured) // 2
+            self._recalibrations += 1
+        # After a re-calibration the model is no longer conservative by construction: keep 1% of the limit spare.
+        margin = max(self._model_error, int(0.01 * limit) if self._recalibrations else 0)
+        info = dict(self._planner.plan(limit - margin, calibrate_on))
         info["limit"] = limit
-        info["margin_bytes"] = self._model_error
+        info["margin_bytes"] = margin
         info["reason"] = reason
         info["after_step"] = st.step
         info["measured_peak_bytes"] = measured
@@ -609,6 +622,7 @@ class TapeSAC:
         if self._planner is not None and self._plan is not None:
             self._plan = None  # re-plan after the next step, under the new limit
             self._model_error = 0
+            self._recalibrations = 0
 
     def report(self) -> "StepReport":
         """A StepReport of the steps run so far (the last step in detail)."""

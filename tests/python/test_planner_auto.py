@@ -64,7 +64,7 @@ def test_auto_is_exact_and_stays_under_the_limit(tapesac, make, frac) -> None:
     ref = copy.deepcopy(model)
     sac = tapesac.TapeSAC(model, memory_limit=limit)
     assert sac.report().policy in ("", "auto")
-    for i in range(4):
+    for i in range(6):
         xi = _tokens(seed=i)
         _step(sac, model, xi)
         ref(input_ids=xi, labels=xi).loss.backward()
@@ -78,9 +78,10 @@ def test_auto_is_exact_and_stays_under_the_limit(tapesac, make, frac) -> None:
             assert all(b.planned for b in st.blocks)
     plan = sac.plan
     assert plan is not None and plan["predicted_peak_bytes"] <= limit
-    # The peak model errs on the safe side, by at most 16% on these models (README: prediction vs measurement).
+    # The peak model errs on the safe side: after its one re-calibration the prediction is 0-10% above the
+    # measurement on these models (README table; plans depend on measured op times, hence the bound's room).
     measured = sac.last_step.memory.peak_bytes
-    assert measured <= plan["predicted_peak_bytes"] <= 1.16 * measured, (plan["predicted_peak_bytes"], measured)
+    assert measured <= plan["predicted_peak_bytes"] <= 1.12 * measured, (plan["predicted_peak_bytes"], measured)
     if frac > 0:
         # More memory than "full" buys less replay.
         assert sac.last_step.ops_replayed < sac.history[0].ops_replayed

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <unordered_map>
 
 #include <c10/core/Allocator.h>
@@ -23,6 +24,9 @@ void atomic_max(std::atomic<int64_t>& a, int64_t v) noexcept {
   }
 }
 
+// The counters active on this thread, innermost last. Owning: a scope that ends on another thread, or out of
+// order, leaves its counter here (still counting) rather than a dangling pointer.
+thread_local std::vector<std::shared_ptr<MemoryCounter>> tls_stack;
 thread_local MemoryCounter* tls_active = nullptr;
 
 // Deepest nesting whose per-phase gauges are kept exactly (deeper counters still count totals).
@@ -42,11 +46,11 @@ struct CountedContext {
 // deleter finds the rest here. Sharded to keep the lock uncontended across threads.
 class CountedTable {
  public:
-  void insert(void* data, CountedContext ctx) {
-    Shard& sh = shard(data);
-    std::lock_guard<std::mutex> lock(sh.mu);
-    sh.map.emplace(data, std::move(ctx));
-  }
+  /// Registers a counted allocation. An entry already at `data` is stale: its bytes were freed through
+  /// raw_deallocate() while the layer was not installed (the inner deleter ran, the entry stayed) and malloc has
+  /// handed the address out again. Its bytes must not be freed twice: its DataPtr lets go of them, and its counts
+  /// are taken back.
+  void insert(void* data, CountedContext ctx);
   bool take(void* data, CountedContext& out) {
     Shard& sh = shard(data);
     std::lock_guard<std::mutex> lock(sh.mu);
@@ -75,6 +79,8 @@ CountedTable& counted_table() {
 // The inner allocator's raw deleter (nullptr when it has none), for pointers the layer did not count.
 std::atomic<c10::DeleterFnPtr> inner_raw_deleter{nullptr};
 
+void uncount(const CountedContext& ctx) noexcept;
+
 void delete_counted(void* data) {
   CountedContext ctx;
   if (!counted_table().take(data, ctx)) {
@@ -84,11 +90,29 @@ void delete_counted(void* data) {
     if (inner != nullptr) inner(data);
     return;
   }
+  uncount(ctx);
+  // ctx.inner goes out of scope here: the inner allocator frees the bytes.
+}
+
+void uncount(const CountedContext& ctx) noexcept {
   int depth = 0;
   for (MemoryCounter* c = ctx.counter.get(); c != nullptr; c = c->parent().get(), ++depth) {
-    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[depth] : c->phase());
+    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[static_cast<size_t>(depth)] : c->phase());
   }
-  // ctx.inner goes out of scope here: the inner allocator frees the bytes.
+}
+
+void CountedTable::insert(void* data, CountedContext ctx) {
+  CountedContext stale;
+  {
+    Shard& sh = shard(data);
+    std::lock_guard<std::mutex> lock(sh.mu);
+    auto [it, inserted] = sh.map.try_emplace(data, std::move(ctx));
+    if (inserted) return;
+    stale = std::move(it->second);
+    it->second = std::move(ctx);
+  }
+  (void)stale.inner.release_context();  // already freed by the inner allocator's deleter
+  uncount(stale);
 }
 
 // Installed as torch's CPU allocator; forwards to the allocator it replaced.
@@ -104,12 +128,16 @@ class CountingCpuAllocator final : public c10::Allocator {
     const c10::Device device = inner.device();
     CountedContext ctx{std::move(inner), active->shared_from_this(), static_cast<int64_t>(n), {}};
     int depth = 0;
-    for (MemoryCounter* c = active; c != nullptr; c = c->parent().get(), ++depth) {
-      const Phase p = c->phase();
-      if (depth < kMaxChain) ctx.phases[static_cast<size_t>(depth)] = p;
-      c->on_alloc(ctx.bytes, p);
+    for (MemoryCounter* c = active; c != nullptr && depth < kMaxChain; c = c->parent().get(), ++depth) {
+      ctx.phases[static_cast<size_t>(depth)] = c->phase();
     }
-    counted_table().insert(data, std::move(ctx));
+    const auto phases = ctx.phases;
+    const int64_t bytes = ctx.bytes;
+    counted_table().insert(data, std::move(ctx));  // may throw (out of memory): nothing counted yet
+    depth = 0;
+    for (MemoryCounter* c = active; c != nullptr; c = c->parent().get(), ++depth) {
+      c->on_alloc(bytes, depth < kMaxChain ? phases[static_cast<size_t>(depth)] : c->phase());
+    }
     return c10::DataPtr(data, data, &delete_counted, device);
   }
 
@@ -256,12 +284,20 @@ ScopedCounter::ScopedCounter(std::shared_ptr<MemoryCounter> counter)
     for (MemoryCounter* c = previous_; c != nullptr; c = c->parent().get()) cycle |= (c == counter_.get());
     if (!cycle) counter_->parent_ = previous_->shared_from_this();
   }
+  tls_stack.push_back(counter_);
   tls_active = counter_.get();
 }
 
 ScopedCounter::~ScopedCounter() {
-  // Scopes end in LIFO order on their thread; one that ends out of order leaves the inner scope active.
-  if (tls_active == counter_.get()) tls_active = previous_;
+  // Remove this scope's entry wherever it sits on this thread's stack (scopes normally end in LIFO order on the
+  // thread that began them; one ended elsewhere leaves its entry, owned, on the original thread).
+  for (auto it = tls_stack.rbegin(); it != tls_stack.rend(); ++it) {
+    if (it->get() == counter_.get()) {
+      tls_stack.erase(std::next(it).base());
+      break;
+    }
+  }
+  tls_active = tls_stack.empty() ? nullptr : tls_stack.back().get();
 }
 
 MemoryCounter* active_counter() noexcept { return tls_active; }

@@ -21,6 +21,9 @@ ArenaRouting::ArenaRouting(int device, uint64_t pool_first, uint64_t pool_second
 ArenaRouting::~ArenaRouting() {
   try {
     alloc::endAllocateToPool(static_cast<c10::DeviceIndex>(device_), {first_, second_});
+    // beginAllocateToPool took a use of the pool (create-or-incref); give it back, as torch.cuda.use_mem_pool
+    // does, so the pool's memory is returned once the MemPool itself goes.
+    alloc::releasePool(static_cast<c10::DeviceIndex>(device_), {first_, second_});
   } catch (...) {
     // A destructor must not throw; the pool stays routed only for this thread, which is ending its replay.
   }

@@ -110,9 +110,11 @@ void BlockCall::resolve_pending(bool final) {
       s.state = tape.state_of(tape.value(v).storage);
       s.pending = false;
       s.pending_impl = nullptr;
+      s.pending_ref.reset();
     } else if (final || !recorder_.op_open()) {
       s.pending = false;  // opaque: the tape did not produce it
       s.pending_impl = nullptr;
+      s.pending_ref.reset();
     } else {
       *keep++ = idx;
     }
@@ -135,6 +137,7 @@ int32_t BlockCall::pack(const at::Tensor& t) {
     // (an in-place op that saves its own result, e.g. tanh_) or create it (an op saving its output).
     s.pending = true;
     s.pending_impl = t.defined() ? t.unsafeGetTensorImpl() : nullptr;
+    if (t.defined()) s.pending_ref.emplace(t.getIntrusivePtr());
     pending_.push_back(idx);
   } else if (const ValueId v = recorder_.find_value(t); v >= 0) {
     s.value = v;
@@ -288,7 +291,12 @@ void BlockCall::close_forward() {
   if (observed) {
     std::vector<uint8_t> kept(decidable.size(), 0);
     for (size_t i = 0; i < decidable.size(); ++i) kept[i] = decision[static_cast<size_t>(decidable[i])] == 1 ? 1 : 0;
-    session_->tape_observer()(BlockTapeView{name_, signature, tape, decidable, must_keep, kept});
+    try {
+      session_->tape_observer()(BlockTapeView{name_, signature, tape, decidable, must_keep, kept});
+    } catch (...) {
+      // Planning input only: a failure to observe (out of memory) must not undo the block's drops; the planner
+      // sees fewer calls and re-plans.
+    }
   }
 
   // Drop: release the slots' references; count bytes by unique storage (a storage that a kept tensor still

@@ -171,7 +171,9 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
     capture::ValueId value = -1;
     int32_t state = 0;
     bool pending = false;  // saved inside an op that has not finished: resolved when it does
-    const c10::TensorImpl* pending_impl = nullptr;  // the saved TensorImpl (alive while pending), for identity
+    const c10::TensorImpl* pending_impl = nullptr;  // the saved TensorImpl, for identity while pending
+    // Keeps pending_impl's address from being reused (by an output the recorder then registers) while pending.
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> pending_ref;
     bool dropped = false;
     c10::VariableVersion version{c10::VariableVersion::DISABLED};
     uint32_t saved_version = 0;

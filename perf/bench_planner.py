@@ -28,11 +28,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the tiny model's)")
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default: the tiny model's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     make = tiny_qwen3 if args.model == "qwen3" else tiny_llama
     torch.manual_seed(0)
-    model = make()
+    shape = {k: v for k, v in (("num_hidden_layers", args.layers), ("hidden_size", args.hidden)) if v is not None}
+    model = make(**shape)
     x = torch.randint(0, 259, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 
     def run(sac: tapesac.TapeSAC) -> None:
@@ -77,7 +80,7 @@ def main() -> None:
         sac.close()
     if args.json:
         env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-               "model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+               "model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, **shape,
                "none_peak_bytes": hi, "full_peak_bytes": lo}
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=2)

@@ -229,10 +229,6 @@ int64_t MemoryCounter::begin_window() noexcept {
   return cur;
 }
 
-void MemoryCounter::mark() noexcept {
-  if (max_points_ > 0) record(current());
-}
-
 void MemoryCounter::record(int64_t bytes) noexcept {
   TimelinePoint p{now_ns() - start_ns_, bytes, phase()};
   std::lock_guard<std::mutex> lock(timeline_mu_);

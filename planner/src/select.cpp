@@ -211,6 +211,30 @@ std::vector<int32_t> fill(const Compiled& m, State& s, int64_t budget, const std
 
 // Local search: best improving swap (remove one kept item, apply one move), else the first improving
 // drop-and-refill; until a round improves nothing.
+// Removes kept items (never a banned one), each time the one losing the least saving per freed byte, until the
+// state fits `budget`. Returns false when nothing removable is left before it fits.
+bool trim_to_budget(const Compiled& m, State& s, int64_t budget, const std::vector<uint8_t>& banned) {
+  while (s.bytes() > budget) {
+    int32_t out = -1;
+    double out_loss = 0;
+    int64_t out_freed = 0;
+    for (int32_t i = 0; i < m.n_items(); ++i) {
+      if (!s.kept(i) || banned[static_cast<size_t>(i)]) continue;
+      const int64_t freed = s.bytes_remove(i);
+      if (freed <= 0) continue;
+      const double loss = s.loss_remove(i);
+      if (out < 0 || loss * static_cast<double>(out_freed) < out_loss * static_cast<double>(freed)) {
+        out = i;
+        out_loss = loss;
+        out_freed = freed;
+      }
+    }
+    if (out < 0) return false;
+    s.remove(out);
+  }
+  return true;
+}
+
 void improve(const Compiled& m, State& s, int64_t budget, int32_t rounds) {
   const double eps = tolerance(m);
   std::vector<uint8_t> banned(static_cast<size_t>(m.n_items()), 0);
@@ -256,28 +280,7 @@ void improve(const Compiled& m, State& s, int64_t budget, int32_t rounds) {
       if (s.bytes() + mv.bytes <= budget) continue;
       for (int32_t j : mv.items) s.add(j);
       for (int32_t j : mv.items) banned[static_cast<size_t>(j)] = 1;  // protected from removal below
-      bool fits = true;
-      while (s.bytes() > budget) {
-        int32_t out = -1;
-        double out_loss = 0;
-        int64_t out_freed = 0;
-        for (int32_t i = 0; i < m.n_items(); ++i) {
-          if (!s.kept(i) || banned[static_cast<size_t>(i)]) continue;
-          const int64_t freed = s.bytes_remove(i);
-          if (freed <= 0) continue;
-          const double loss = s.loss_remove(i);
-          if (out < 0 || loss * static_cast<double>(out_freed) < out_loss * static_cast<double>(freed)) {
-            out = i;
-            out_loss = loss;
-            out_freed = freed;
-          }
-        }
-        if (out < 0) {
-          fits = false;
-          break;
-        }
-        s.remove(out);
-      }
+      const bool fits = trim_to_budget(m, s, budget, banned);
       for (int32_t j : mv.items) banned[static_cast<size_t>(j)] = 0;
       if (fits) fill(m, s, budget, banned);
       if (fits && s.saved() > saved0 + eps) {
@@ -599,25 +602,9 @@ ItemSolution fill_from(const Compiled& m, const ItemSolution& start, int64_t bud
 
 ItemSolution trim_from(const Compiled& m, const ItemSolution& start, int64_t budget, int32_t neighbourhood) {
   State s = state_of(m, start.kept);
-  while (s.bytes() > budget) {
-    int32_t out = -1;
-    double out_loss = 0;
-    int64_t out_freed = 0;
-    for (int32_t i = 0; i < m.n_items(); ++i) {
-      if (!s.kept(i)) continue;
-      const int64_t freed = s.bytes_remove(i);
-      if (freed <= 0) continue;
-      const double loss = s.loss_remove(i);
-      if (out < 0 || loss * static_cast<double>(out_freed) < out_loss * static_cast<double>(freed)) {
-        out = i;
-        out_loss = loss;
-        out_freed = freed;
-      }
-    }
-    if (out < 0) break;
-    s.remove(out);
-  }
-  fill(m, s, budget, std::vector<uint8_t>(static_cast<size_t>(m.n_items()), 0));
+  const std::vector<uint8_t> none(static_cast<size_t>(m.n_items()), 0);
+  trim_to_budget(m, s, budget, none);
+  fill(m, s, budget, none);
   return neighbourhood_search(m, budget, s.solution(), neighbourhood, /*sweep=*/false);
 }
 

@@ -111,7 +111,6 @@ void bind_replay(py::module_& m) {
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
       .def("shutdown", &Session::shutdown)
       .def_property_readonly("memory_limit", [](const Session& s) { return s.options().memory_limit; })
-      .def("in_use", &Session::in_use)
       .def("last_memory", [](const Session& s) { return memory_to_dict(s.last_memory()); })
       .def("begin_step", &Session::begin_step, py::arg("params"))
       .def("end_step", &Session::end_step)

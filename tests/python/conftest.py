@@ -58,6 +58,26 @@ def _deterministic():
     torch.use_deterministic_algorithms(was)
 
 
+@pytest.fixture
+def tapesac():
+    """The tapesac package (imported lazily, so collection works before the extension is built)."""
+    import tapesac as mod
+
+    return mod
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-tensor tests (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    with two OpenMP threads on a loaded 2-core machine every kernel waits for a spinning peer, which makes such a
+    module 10-20x slower. Results do not change: every comparison runs both sides with the same thread count, and
+    the Python threads of the threading tests are unaffected (intra-op parallelism is per op)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 def device_param(*marks_for_gpu):
     """`@pytest.mark.parametrize("device", device_param())`: cpu always, cuda marked gpu."""
     return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, *marks_for_gpu])]

@@ -433,3 +433,14 @@ def hf_layer_kwargs(model: nn.Module, hidden: torch.Tensor, attention_mask_2d: t
     position_embeddings = model.model.rotary_emb(hidden, position_ids)
     return dict(attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
                 cache=None, use_cache=False)
+
+
+def stack(n: int = 2) -> "Stack":
+    """A seeded Stack of n MLPBlocks: the smallest model most API tests need."""
+    torch.manual_seed(0)
+    return Stack([MLPBlock() for _ in range(n)])
+
+
+def x_in() -> torch.Tensor:
+    """An input for stack(): [B, T, D], requiring grad."""
+    return torch.randn(B, T, D, requires_grad=True)

@@ -10,23 +10,8 @@ import torch
 import torch.nn as nn
 
 import models as M
+from models import stack, x_in
 from conftest import assert_same_grads, assert_same_tensor, default_loss, reference_check
-
-
-@pytest.fixture
-def tapesac():
-    import tapesac as mod
-
-    return mod
-
-
-def stack(n: int = 2) -> M.Stack:
-    torch.manual_seed(0)
-    return M.Stack([M.MLPBlock() for _ in range(n)])
-
-
-def x_in() -> torch.Tensor:
-    return torch.randn(M.B, M.T, M.D, requires_grad=True)
 
 
 def mentions(msg: str, *words: str) -> None:

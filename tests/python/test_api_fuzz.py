@@ -29,13 +29,7 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None
                 suppress_health_check=list(HealthCheck))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two spinning OpenMP threads on a loaded 2-core machine are 10x slower)."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Injected(Exception):

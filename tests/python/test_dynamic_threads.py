@@ -33,14 +33,7 @@ from robust_helpers import assert_exact_step, live_tensor_count, memory_meter, s
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two spinning OpenMP threads on a loaded 2-core machine are 10x slower).
-    The Python threads of the threading tests are unaffected: intra-op parallelism is per op."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_qwen3(**kw) -> nn.Module:

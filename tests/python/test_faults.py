@@ -182,13 +182,7 @@ FAULTS = [
     Fault("replay_contract_error_mid_backward", _contract),
 ]
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two spinning OpenMP threads on a loaded 2-core machine are 10x slower)."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 POLICIES = [pytest.param("full", id="full"), pytest.param({"aten::addmm"}, id="save_addmm"),

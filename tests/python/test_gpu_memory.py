@@ -18,13 +18,6 @@ from conftest import assert_same_grads
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def tapesac():
-    import tapesac as mod
-
-    return mod
-
-
 def _qwen_cuda():
     from tapesac.models import tiny_qwen3
 

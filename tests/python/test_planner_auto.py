@@ -12,13 +12,6 @@ import torch
 from conftest import assert_same_grads
 
 
-@pytest.fixture
-def tapesac():
-    import tapesac as mod
-
-    return mod
-
-
 def _qwen():
     from tapesac.models import tiny_qwen3
 

@@ -36,15 +36,7 @@ RANDOM_OPS = {"aten::native_dropout", "aten::rand_like", "aten::randn_like", "at
               "aten::_scaled_dot_product_flash_attention_for_cpu"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread. With two OpenMP threads on a loaded 2-core machine every kernel waits for
-    a spinning peer, which makes this file 10-20x slower; the results are the same (the comparison is bitwise
-    and both runs use the same thread count)."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("seeds", CHUNKS, ids=lambda r: f"seeds{r.start}-{r.stop - 1}")

@@ -13,23 +13,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import models as M
+from models import stack, x_in
 from conftest import assert_same_grads
-
-
-@pytest.fixture
-def tapesac():
-    import tapesac as mod
-
-    return mod
-
-
-def stack(n: int = 2) -> M.Stack:
-    torch.manual_seed(0)
-    return M.Stack([M.MLPBlock() for _ in range(n)])
-
-
-def x_in() -> torch.Tensor:
-    return torch.randn(M.B, M.T, M.D, requires_grad=True)
 
 
 def _qwen():

@@ -68,8 +68,6 @@ class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
   /// at the start. One window at a time per counter.
   int64_t begin_window() noexcept;
   int64_t window_peak() const noexcept { return window_peak_.load(std::memory_order_relaxed); }
-  /// Adds a point at the current level now (phase changes and block boundaries mark the timeline).
-  void mark() noexcept;
   std::vector<TimelinePoint> timeline() const;
 
   /// The counter that was active when this one was first pushed (nested scopes count into both).

@@ -281,8 +281,6 @@ class Session {
   /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
   /// installed again by the next begin_step()). Never throws.
   void shutdown() noexcept;
-  /// Bytes in use now as the limit sees them (baseline + the step's counter); 0 outside a step.
-  int64_t in_use() const { return memory_ ? memory_->in_use() : 0; }
 
  private:
   SessionOptions options_;

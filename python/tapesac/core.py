@@ -24,13 +24,16 @@ from torch import nn
 
 from . import _C
 from .errors import ConfigError, TapeSACError
+from . import preserve as _preserve
 from .memory import MemoryStats, parse_memory_limit
+from .preserve import PRESERVE_MODES
 
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
 POLICIES = ("none", "full", "auto")
 BACKENDS = ("auto", "eager")
 CONTRACTS = ("check", "strict", "off")
+MAX_PRESERVE_CHOICES = 1024
 HISTORY_STEPS = 1000
 RECALIBRATIONS = 1
 
@@ -94,6 +97,10 @@ class StepStats(_Counts):
     blocks: tuple[BlockStats, ...] = ()
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
     memory: MemoryStats | None = None
+    # Storages written in place after a block read them (see TapeSAC(preserve=...)): mode, bytes, writes, held
+    # bytes, save/restore time; and the replay records' counts by status ("match", "recovered", ...).
+    preserved: tuple[dict[str, Any], ...] = ()
+    record_counts: dict[str, int] = field(default_factory=dict)
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -256,6 +263,14 @@ class TapeSAC:
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
         log: a path: one JSON line per step (the step's statistics and memory) is appended to it.
+        preserve: how a replay sees a tensor that the step wrote in place after the block's forward read it (a
+            memory bank, a queue, a modified input): ``"regions"`` saves the overwritten regions just before each
+            write, ``"snapshots"`` copies the whole tensor at its first write, ``"keep"`` keeps the activations whose
+            replay reads it (from the second step; the first uses regions), ``"auto"`` (default) chooses per tensor
+            from the measured costs of the previous step, ``"off"`` rejects such replays with ReplayContractError.
+            Writes must happen on the step's thread; others are detected by version counters and rejected.
+        records: a path: one JSON line per replayed value (block, value, op, status match / recovered / rejected /
+            divergent, bytes, time) is appended to it; ``last_records`` holds the last step's.
         approx: reserved for approximate rematerialization; must be None for now.
     """
 
@@ -270,6 +285,8 @@ class TapeSAC:
         contract: str = "check",
         approx: Approx | None = None,
         log: Any = None,
+        preserve: str = "auto",
+        records: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"TapeSAC expects the model as a torch.nn.Module, got {type(model).__name__}")
@@ -284,6 +301,11 @@ class TapeSAC:
             raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
         if contract not in CONTRACTS:
             raise ConfigError(f"contract={contract!r} is not supported; expected one of {list(CONTRACTS)}")
+        if preserve not in PRESERVE_MODES:
+            raise ConfigError(f"preserve={preserve!r} is not supported; expected one of {list(PRESERVE_MODES)}")
+        if records is not None and not isinstance(records, (str, os.PathLike)):
+            raise ConfigError(f"records must be a file path (str or os.PathLike) for the JSON-lines execution "
+                              f"records, got {type(records).__name__}")
         if approx is not None:
             raise ConfigError("approx: approximate rematerialization is not available yet; pass approx=None")
         self._model = model
@@ -307,7 +329,16 @@ class TapeSAC:
             arena = tuple(int(i) for i in self._arena_pool.id)
         self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
                                    memory_limit=limit or 0, arena_pool=arena,
-                                   arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0)
+                                   arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0,
+                                   preserve="off" if preserve == "off" or not check else
+                                   "snapshots" if preserve == "snapshots" else "regions")
+        self._preserve = preserve if check else "off"
+        self._preserve_choices: dict[int, str] = {}
+        self._preserve_trials: list[Any] = []
+        self._preserve_trying = "snapshots" if preserve == "snapshots" else "regions"
+        self._preserve_mode: str | None = None
+        self._records_path = Path(records) if records is not None else None
+        self._last_records: list[dict[str, Any]] = []
         self._planner = None
         self._limit = limit or 0
         self._model_error = 0
@@ -322,11 +353,14 @@ class TapeSAC:
                 )
             self._planner = _C.AutoPlanner(self._session)
         self._log_path = Path(log) if log is not None else None
-        if self._log_path is not None:
+        for what, path in (("log", self._log_path), ("records", self._records_path)):
+            if path is None:
+                continue
             try:
-                self._log_path.open("a").close()
+                path.open("a").close()
             except OSError as e:
-                raise ConfigError(f"log={str(log)!r} cannot be opened for appending ({e}); pass a writable file path")
+                raise ConfigError(f"{what}={str(path)!r} cannot be opened for appending ({e}); pass a writable file "
+                                  f"path")
         self._timeline: dict[str, Any] = {}
         self._steps = 0
         self._last: StepStats | None = None
@@ -414,8 +448,74 @@ class TapeSAC:
             self._history.append(self._last)
             self._warn_unmatched()
             self._write_log(self._last)
+            self._write_records()
         # Only after a step that finished: plan (policy "auto") from what it measured.
         self._replan_if_needed(self._last)
+        self._choose_preservation(self._last)
+
+    def _choose_preservation(self, st: StepStats) -> None:
+        """preserve="auto"/"keep": after a step, the storages it wrote after a block read them get their mode for the
+        next steps. "keep" keeps their dependents. "auto" measures: the steps after the first such write run
+        "regions", "snapshots" and "keep" in turn, then the best by tapesac.preserve.pick stays (and applies to
+        storages found later). Choices persist: a storage whose dependents are kept is no longer read by replays,
+        so it no longer shows up as written."""
+        if self._preserve not in ("auto", "keep"):
+            return
+        written = [int(p["storage"]) for p in st.preserved]
+        if self._preserve == "keep":
+            mode = "keep"
+        elif self._preserve_mode is not None:
+            mode = self._preserve_mode
+        elif not self._preserve_choices and not written:
+            return  # nothing written yet
+        else:
+            if self._preserve_choices or written:
+                tried = self._preserve_trying
+                cost = st.replay_ms + sum(p["save_ns"] + p["restore_ns"] for p in st.preserved) / 1e6
+                peak = st.memory.peak_bytes if st.memory else 0
+                self._preserve_trials.append(_preserve.Trial(tried, peak, cost))
+            untried = [m for m in _preserve.EXPLORED if m not in {t.mode for t in self._preserve_trials}]
+            if untried:
+                mode = self._preserve_trying = untried[0]
+            else:
+                mode = self._preserve_mode = _preserve.pick(self._preserve_trials, self._limit or None)
+        new = {k: mode for k in written}
+        new.update({k: mode for k in self._preserve_choices})
+        if new == self._preserve_choices:
+            return
+        if len(new) > MAX_PRESERVE_CHOICES:
+            new = {k: mode for k in written}
+        self._preserve_choices = new
+        modes = {k: m for k, m in new.items() if m != "keep"}
+        keep = [k for k, m in new.items() if m == "keep"]
+        self._session.set_preservation(modes, keep)
+
+    @property
+    def preservation_trials(self) -> list[Any]:
+        """preserve="auto": the measured trials (mode, peak, cost) the choice was made from."""
+        return list(self._preserve_trials)
+
+    def _write_records(self) -> None:
+        self._last_records = list(self._session.last_records())
+        if self._records_path is None or not self._last_records:
+            return
+        try:
+            with self._records_path.open("a") as f:
+                for r in self._last_records:
+                    f.write(json.dumps({"step": self._steps, **r}, sort_keys=True) + "\n")
+        except OSError as e:  # runs in the step's `finally`: never mask the step's own exception
+            warnings.warn(f"tapesac: cannot append records to {str(self._records_path)!r}: {e}", stacklevel=3)
+
+    @property
+    def last_records(self) -> list[dict[str, Any]]:
+        """Execution records of the last step: one per replayed value (block, value, op, status, bytes, time_ns,
+        detail), including the one a rejected or divergent replay was for."""
+        return list(self._last_records)
+
+    @property
+    def preservation(self) -> dict[int, str]:
+        """preserve="auto"/"keep": the mode chosen per written storage (keys are storage identities)."""
+        return dict(self._preserve_choices)
 
     def _replan_if_needed(self, st: StepStats) -> None:
         """Policy "auto": plans after the first step (which ran "full" while measuring), and again whenever a block
@@ -541,6 +641,8 @@ class TapeSAC:
             step_ms=seconds * 1e3,
             blocks=blocks,
             ops_replayed_by_name=dict(self._session.last_replayed_by_name()),
+            preserved=tuple(dict(p) for p in self._session.last_preserved()),
+            record_counts=dict(collections.Counter(r["status"] for r in self._session.last_records())),
         )
 
     def _warn_unmatched(self) -> None:

@@ -428,6 +428,11 @@ class TapeSAC:
             # The measuring step runs "full" without enforcing the limit, so that an infeasible limit is reported by
             # the planner with the smallest feasible one, rather than by the first replay that does not fit.
             self._session.set_memory_limit(0 if self._plan is None else self._limit)
+        elif self._limit:
+            # preserve="auto" trying its modes: measured without enforcing the limit (like the planner's measuring
+            # step), so that a mode over the limit is measured and not chosen rather than failing the step.
+            exploring = self._preserve == "auto" and self._preserve_mode is None and bool(self._preserve_choices)
+            self._session.set_memory_limit(0 if exploring else self._limit)
         self._session.begin_step(params)
         _thread_state.active = self
         handles = []
@@ -721,6 +726,13 @@ class TapeSAC:
                               "policy='full' or 'none'")
         self._session.set_memory_limit(limit)
         self._limit = limit
+        if self._preserve_mode is not None and self._preserve_trials:
+            # preserve="auto": choose again from the measured trials under the new limit.
+            self._preserve_mode = _preserve.pick(self._preserve_trials, limit or None)
+            self._preserve_choices = {k: self._preserve_mode for k in self._preserve_choices}
+            modes = {k: m for k, m in self._preserve_choices.items() if m != "keep"}
+            keep = [k for k, m in self._preserve_choices.items() if m == "keep"]
+            self._session.set_preservation(modes, keep)
         if self._planner is not None and self._plan is not None:
             self._plan = None  # re-plan after the next step, under the new limit
             self._model_error = 0

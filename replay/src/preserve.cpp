@@ -14,6 +14,9 @@
 #include "tapesac/capture/tape.h"
 
 namespace tapesac::replay {
+
+enum class RegionKind : uint8_t { kView, kIndexPut, kIndexDim, kScatter, kMasked };
+
 namespace {
 
 thread_local WriteWatcher* t_watcher = nullptr;
@@ -44,8 +47,6 @@ at::Tensor view_on(const at::Tensor& bytes, int64_t offset, at::IntArrayRef size
 int64_t tensor_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()) : 0;
 }
-
-enum class RegionKind : uint8_t { kView, kIndexPut, kIndexDim, kScatter, kMasked };
 
 RegionKind region_kind(const char* name, size_t arg) {
   if (arg != 0) return RegionKind::kView;
@@ -85,6 +86,28 @@ struct WriteWatcher::Write {
   at::Tensor index;                                 // kIndexDim, kScatter
   at::Tensor mask;                                  // kMasked
 };
+
+// The entries of `region` a write of kind w.kind touches, and writing them back.
+at::Tensor WriteWatcher::take(const Write& w, const at::Tensor& region) {
+  switch (w.kind) {
+    case RegionKind::kIndexPut: return at::index(region, w.indices);
+    case RegionKind::kIndexDim: return region.index_select(w.dim, w.index);
+    case RegionKind::kScatter: return region.gather(w.dim, w.index);
+    case RegionKind::kMasked: return region.masked_select(w.mask);
+    case RegionKind::kView: return region.clone();
+  }
+  return {};
+}
+
+void WriteWatcher::put(const Write& w, at::Tensor& region, const at::Tensor& values) {
+  switch (w.kind) {
+    case RegionKind::kIndexPut: region.index_put_(w.indices, values); break;
+    case RegionKind::kIndexDim: region.index_copy_(w.dim, w.index, values); break;
+    case RegionKind::kScatter: region.scatter_(w.dim, w.index, values); break;
+    case RegionKind::kMasked: region.masked_scatter_(w.mask, values); break;
+    case RegionKind::kView: region.copy_(values); break;
+  }
+}
 
 struct WriteWatcher::Entry {
   PreserveMode mode = PreserveMode::kRegions;
@@ -214,33 +237,23 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
       w.strides = target.strides().vec();
       w.dtype = target.scalar_type();
       switch (w.kind) {
-        case RegionKind::kIndexPut: {
-          c10::List<std::optional<at::Tensor>> idx;
+        case RegionKind::kIndexPut:
           for (const c10::IValue& i : inputs.at(1).toListRef()) {
-            idx.push_back(i.isTensor() ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
+            w.indices.push_back(i.isTensor() ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
           }
-          w.old = at::index(target, idx);
-          w.indices = std::move(idx);
           break;
-        }
         case RegionKind::kIndexDim:
-          w.dim = inputs.at(1).toInt();
-          w.index = inputs.at(2).toTensor().clone();
-          w.old = target.index_select(w.dim, w.index);
-          break;
         case RegionKind::kScatter:
           w.dim = inputs.at(1).toInt();
           w.index = inputs.at(2).toTensor().clone();
-          w.old = target.gather(w.dim, w.index);
           break;
         case RegionKind::kMasked:
           w.mask = inputs.at(1).toTensor().clone();
-          w.old = target.masked_select(w.mask);
           break;
         case RegionKind::kView:
-          w.old = target.clone();
           break;
       }
+      w.old = take(w, target);
       e.stats.held_bytes += tensor_bytes(w.old) + tensor_bytes(w.index) + tensor_bytes(w.mask);
       for (size_t k = 0; k < w.indices.size(); ++k) {
         const std::optional<at::Tensor> i = w.indices.get(k);
@@ -275,54 +288,73 @@ int64_t WriteWatcher::watch(const at::Tensor& t) {
   return e->count;
 }
 
-at::Tensor WriteWatcher::restore(const at::Tensor& t, int64_t mark, uint32_t version_delta, std::string* why) {
-  std::lock_guard<std::mutex> lock(mu_);
+WriteWatcher::Swap::~Swap() {
+  // Forward order: each write's current entries go back, ending at the bytes the step left.
+  try {
+    QuietScope quiet;
+    for (size_t k = 0; k < current_.size(); ++k) {
+      const Write& w = *writes_[k];
+      at::Tensor region = view_on(storage_, w.offset, w.sizes, w.strides, w.dtype);
+      put(w, region, current_[k]);
+    }
+  } catch (...) {
+    // Only an allocation can fail here (index tensors); the step's bytes would be lost: there is no safe recovery
+    // short of aborting, which the runtime must not do. Left as the forward saw them (documented).
+  }
+}
+
+WriteWatcher::Restored WriteWatcher::restore(const at::Tensor& t, int64_t mark, uint32_t version_delta,
+                                             std::string* why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Restored out;
   auto it = entries_.find(capture::storage_key(t));
   if (it == entries_.end()) {
     *why = "its storage was not watched (preserve=\"off\", or the tensor was replaced)";
-    return {};
+    return out;
   }
   Entry& e = *it->second;
   const int64_t seen = e.count - mark;
   if (static_cast<int64_t>(version_delta) > seen) {
     *why = "its version moved by " + std::to_string(version_delta) + " but the step's thread made only " +
            std::to_string(seen) +
-           " in-place writes to it; the others happened on another thread or outside the dispatcher, where tapesac "
-           "cannot save what they overwrite";
-    return {};
+           " in-place writes to it; the others happened on another thread, during the backward, or outside the "
+           "dispatcher, where tapesac cannot save what they overwrite";
+    return out;
   }
   if (e.broken) {
     *why = e.broken_why;
-    return {};
+    return out;
   }
   const int64_t t0 = now_ns();
   QuietScope quiet;
-  at::Tensor bytes;
   if (e.mode == PreserveMode::kSnapshots) {
     // Replay never writes the tensors it reads live (the pruning pass refuses ops that write external storages),
     // so the snapshot itself serves every replay: no copy.
+    at::Tensor bytes;
     for (const auto& [seq, snap] : e.snapshots) {
       if (seq == mark) bytes = snap;
     }
     if (!bytes.defined()) {
       *why = "no snapshot holds its bytes as of the block's forward";
-      return {};
+      return out;
     }
+    out.copy = view_on(bytes, t.storage_offset(), t.sizes(), t.strides(), t.scalar_type());
   } else {
-    bytes = bytes_of_storage(t).clone();
+    // Swap the overwritten regions back in, newest write first, remembering what they hold now; the Swap puts
+    // those back when the replay is done. Only the regions are copied, never the storage.
+    lock.unlock();  // the swap lock orders replays; the entry is not written while the backward runs
+    auto swap = std::unique_ptr<Swap>(new Swap(swap_mu_));
+    swap->storage_ = bytes_of_storage(t);
     for (int64_t k = e.count - 1; k >= mark; --k) {
       const Write& w = e.writes.at(static_cast<size_t>(k));
-      at::Tensor region = view_on(bytes, w.offset, w.sizes, w.strides, w.dtype);
-      switch (w.kind) {
-        case RegionKind::kIndexPut: region.index_put_(w.indices, w.old); break;
-        case RegionKind::kIndexDim: region.index_copy_(w.dim, w.index, w.old); break;
-        case RegionKind::kScatter: region.scatter_(w.dim, w.index, w.old); break;
-        case RegionKind::kMasked: region.masked_scatter_(w.mask, w.old); break;
-        case RegionKind::kView: region.copy_(w.old); break;
-      }
+      at::Tensor region = view_on(swap->storage_, w.offset, w.sizes, w.strides, w.dtype);
+      swap->current_.insert(swap->current_.begin(), take(w, region));
+      swap->writes_.insert(swap->writes_.begin(), &w);
+      put(w, region, w.old);
     }
+    out.swap = std::move(swap);
+    lock.lock();
   }
-  at::Tensor out = view_on(bytes, t.storage_offset(), t.sizes(), t.strides(), t.scalar_type());
   ++e.stats.restores;
   e.stats.restore_ns += now_ns() - t0;
   return out;

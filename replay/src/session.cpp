@@ -441,9 +441,11 @@ void BlockCall::check_version(const Slot& s, int32_t slot) const {
   throw Error(ErrorKind::kReplayContract, msg.str());
 }
 
-std::unordered_map<ValueId, at::Tensor> BlockCall::resolve_live(const PruneResult& plan, ValueId wanted,
-                                                                std::string* recovered) {
+std::unordered_map<ValueId, at::Tensor> BlockCall::resolve_live(
+    const PruneResult& plan, ValueId wanted, std::string* recovered,
+    std::vector<std::unique_ptr<WriteWatcher::Swap>>* swaps) {
   std::unordered_map<ValueId, at::Tensor> subs;
+  std::unordered_set<const void*> swapped;  // storages whose regions are already swapped back for this replay
   if (!options_->check_versions) return subs;
   const Tape& tape = recorder_.tape();
   for (capture::OpIndex i : plan.ops) {
@@ -464,15 +466,21 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::resolve_live(const PruneResul
       const int64_t seen = watcher_ ? watcher_->writes_since(live_[v], live_marks_[v]) : 0;
       if (now == live_versions_[v] && seen == 0) continue;
       std::string why = "preserve=\"off\"";
+      if (swapped.count(storage_key(live_[v]))) continue;
       if (watcher_ && now >= live_versions_[v]) {
-        at::Tensor t = watcher_->restore(live_[v], live_marks_[v], now - live_versions_[v], &why);
-        if (t.defined()) {
+        WriteWatcher::Restored r = watcher_->restore(live_[v], live_marks_[v], now - live_versions_[v], &why);
+        if (r.copy.defined() || r.swap) {
           if (!recovered->empty()) *recovered += "; ";
           *recovered += "v" + std::to_string(a.value) + " (" + describe_tensor(live_[v]) + ", input of op #" +
                         std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind) + ") written " +
                         std::to_string(now - live_versions_[v]) + "x after the forward: rebuilt from " +
                         preserve_mode_name(watcher_->mode());
-          subs.emplace(a.value, std::move(t));
+          if (r.swap) {
+            swapped.insert(storage_key(live_[v]));
+            swaps->push_back(std::move(r.swap));
+          } else {
+            subs.emplace(a.value, std::move(r.copy));
+          }
           continue;
         }
       }
@@ -604,7 +612,9 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     std::sort(targets.begin(), targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
     PruneResult plan = prune(recorder_.tape(), targets, available_);
     std::string recovered;
-    std::unordered_map<ValueId, at::Tensor> subs = resolve_live(plan, v, &recovered);
+    // Declared before the replay's tensors: the step's bytes are swapped back in only after the replay ends.
+    std::vector<std::unique_ptr<WriteWatcher::Swap>> swaps;
+    std::unordered_map<ValueId, at::Tensor> subs = resolve_live(plan, v, &recovered, &swaps);
     targets = limit_targets(std::move(targets), Read{v, value_state_.at(v)}, plan);
     allocator::MemoryCounter* counter = memory_ ? memory_->counter.get() : nullptr;
     PhaseScope phase(counter, allocator::Phase::kReplay);
@@ -634,6 +644,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     const int64_t ns_before = replay_stats_.ns;
     auto out = replay(src, targets, opts, &replay_stats_);
     live_with_subs.clear();
+    swaps.clear();  // the step's bytes back in the storages the replay read
     const int64_t replay_ns = replay_stats_.ns - ns_before;
     if (counter != nullptr) {
       const int64_t ws = counter->window_peak() - window_start;

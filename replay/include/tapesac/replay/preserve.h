@@ -12,7 +12,7 @@
 //   * kSnapshots: the whole storage, copied at its first write after a block read it.
 // The watcher sees writes while forwards run and between the forward and the backward (where a step updates a
 // bank or a queue); it pauses when the backward starts (seeing writes costs a boxed copy of every op's arguments) and
-// resumes when a block's forward starts again. The real tensor is never touched; the copy lives only for the replay. The version counter guards completeness:
+// resumes when a block's forward starts again. The version counter guards completeness:
 // when a tensor's version moved by more than the writes the watcher saw (a write on another thread, or one that
 // bypassed the dispatcher), restore() refuses and the replay is rejected.
 //
@@ -26,6 +26,7 @@
 #include <thread>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -57,6 +58,7 @@ struct PreservedStorage {
 
 class WriteWatcher {
  public:
+  struct Write;
   /// `overrides`: the mode of particular storages (kRegions or kSnapshots), e.g. as the planner chose them.
   explicit WriteWatcher(PreserveMode mode, std::unordered_map<const void*, PreserveMode> overrides = {});
   ~WriteWatcher();
@@ -79,10 +81,31 @@ class WriteWatcher {
   /// number of writes already seen on the storage).
   int64_t watch(const at::Tensor& t);
 
-  /// Rebuilds the bytes `t` had at `mark` into a private tensor with t's sizes/strides/offset, when every version
-  /// bump since (`version_delta`) is a write the watcher saved. Returns an undefined tensor and sets `why` when it
-  /// cannot.
-  at::Tensor restore(const at::Tensor& t, int64_t mark, uint32_t version_delta, std::string* why);
+  /// While alive, the overwritten regions of one storage hold the bytes the forward saw (kRegions); destruction
+  /// puts the step's bytes back. Holds the watcher's swap lock (replays that swap are serialized).
+  class Swap {
+   public:
+    ~Swap();
+    Swap(const Swap&) = delete;
+    Swap& operator=(const Swap&) = delete;
+
+   private:
+    friend class WriteWatcher;
+    explicit Swap(std::recursive_mutex& mu) : lock_(mu) {}
+    std::unique_lock<std::recursive_mutex> lock_;
+    at::Tensor storage_;                // bytes of the storage (the real one)
+    std::vector<const Write*> writes_;  // oldest first
+    std::vector<at::Tensor> current_;   // the step's entries of each region, oldest first
+  };
+  struct Restored {
+    at::Tensor copy;              // kSnapshots: a tensor with t's view over the snapshot
+    std::unique_ptr<Swap> swap;   // kRegions: keep alive while the replay runs
+  };
+  /// Makes the bytes `t` had at `mark` available to a replay, when every version bump since (`version_delta`) is a
+  /// write the watcher saved: kSnapshots returns a view of the snapshot to read instead of `t`; kRegions swaps the
+  /// overwritten regions of t's storage back to their old bytes until the returned Swap is destroyed (the replay
+  /// reads `t` itself). Returns neither and sets `why` when it cannot.
+  Restored restore(const at::Tensor& t, int64_t mark, uint32_t version_delta, std::string* why);
 
   /// Writes the watcher saved on t's storage since `mark` (also those that bypass version counters, e.g. through
   /// `.data`).
@@ -92,10 +115,11 @@ class WriteWatcher {
   int64_t held_bytes() const;
 
  private:
-  struct Write;
   struct Entry;
   static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);
   static void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx);
+  static at::Tensor take(const Write& w, const at::Tensor& region);
+  static void put(const Write& w, at::Tensor& region, const at::Tensor& values);
   void attach();
   void see(const at::RecordFunction& fn);
   void save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg, const at::Tensor& target);
@@ -103,6 +127,7 @@ class WriteWatcher {
   PreserveMode mode_;
   std::unordered_map<const void*, PreserveMode> overrides_;
   mutable std::mutex mu_;
+  std::recursive_mutex swap_mu_;
   std::unordered_map<const void*, std::unique_ptr<Entry>> entries_;
   std::unordered_map<const char*, std::vector<bool>> writes_by_name_;
   at::CallbackHandle callback_ = 0;

@@ -211,10 +211,12 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   void resolve_pending(bool final);
   bool keep_by_policy(capture::ValueId v, int32_t state);
   void check_version(const Slot& s, int32_t slot) const;
-  /// The contract on the live tensors `plan` reads: every one whose version moved since the forward is rebuilt as
-  /// the forward saw it by the write watcher (returned by value id; `recovered` says which), or the replay is
-  /// rejected (ReplayContractError, with a "rejected" record for `wanted`).
-  std::unordered_map<ValueId, at::Tensor> resolve_live(const PruneResult& plan, ValueId wanted, std::string* recovered);
+  /// The contract on the live tensors `plan` reads: every one whose version moved since the forward is made to read
+  /// as the forward saw it by the write watcher — a snapshot view returned by value id, or regions swapped back
+  /// until `swaps` are destroyed; `recovered` says which — or the replay is rejected (ReplayContractError, with a
+  /// "rejected" record for `wanted`).
+  std::unordered_map<ValueId, at::Tensor> resolve_live(const PruneResult& plan, ValueId wanted, std::string* recovered,
+                                                       std::vector<std::unique_ptr<WriteWatcher::Swap>>* swaps);
   void record(ValueId v, const std::string& status, int64_t bytes, int64_t ns, std::string detail) const;
   /// Applies the memory limit to a replay of `targets` (the remaining dropped values): returns the targets to
   /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when

@@ -47,15 +47,8 @@ class BankBlock(nn.Module):
         return x + self.ff2(F.gelu(self.ff1(x)))
 
 
-class QueueBlock(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.q = nn.Linear(d, d)
-        self.o = nn.Linear(d, d)
-        self.ff1 = nn.Linear(d, 4 * d)
-        self.ff2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor, queue: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+class QueueBlock(BankBlock):
+    def forward(self, x: torch.Tensor, queue: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
         keys = F.normalize(queue, dim=1)  # the queue needs no grad: nothing of it is saved, replay reads it
         a = torch.softmax(self.q(x) @ keys.t() / 0.07, -1)
         x = x + self.o(a @ keys)

@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the tiny model's)")
     ap.add_argument("--hidden", type=int, default=None, help="hidden size (default: the tiny model's)")
+    ap.add_argument("--fractions", default="0,0.25,0.5,0.75,1,1.25",
+                    help="limits, as fractions of the way from full's peak to none's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     make = tiny_qwen3 if args.model == "qwen3" else tiny_llama
@@ -56,7 +58,7 @@ def main() -> None:
           f"(full replays {ref['full'].ops_replayed} ops)")
     print(f"{'limit':>8}{'limit MiB':>11}{'predicted':>11}{'measured':>10}{'error':>8}{'kept MiB':>10}"
           f"{'ops replayed':>14}{'replay ms':>11}{'plan ms':>9}{'max step MiB':>14}")
-    for frac in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25):
+    for frac in (float(f) for f in args.fractions.split(",")):
         limit = int(lo + frac * (hi - lo))
         sac = tapesac.TapeSAC(model, memory_limit=limit)
         t0 = time.perf_counter()
@@ -71,7 +73,7 @@ def main() -> None:
                "keeps_everything": plan["keeps_everything"],
                "max_step_peak_bytes": max(h.memory.peak_bytes for h in sac.history),
                "every_step_under_limit": all(h.memory.peak_bytes <= limit for h in sac.history),
-               "plans": len(sac.plans), "seconds": elapsed}
+               "plans": len(sac.plans), "seconds": elapsed, "model": plan.get("model")}
         rows.append(row)
         print(f"{frac:>8.2f}{limit / 2**20:>11.2f}{plan['predicted_peak_bytes'] / 2**20:>11.2f}"
               f"{st.memory.peak_bytes / 2**20:>10.2f}{err:>+8.3f}{st.kept_bytes / 2**20:>10.2f}{st.ops_replayed:>14}"

@@ -309,4 +309,70 @@ StepPlan plan_step(const StepInput& in, const PeakModel& model, int64_t limit_by
   return plan;
 }
 
+void plan_profile(const StepPlan& plan, std::vector<int64_t>* kept, std::vector<int64_t>* ws) {
+  kept->clear();
+  ws->clear();
+  for (const CallPlan& c : plan.calls) {
+    kept->push_back(c.kept_bytes);
+    ws->push_back(c.working_set_bytes);
+  }
+}
+
+// Note [Sequence search]. Under the sequence model a plan's peak depends on where its kept bytes sit, not only on
+// their total. The additive model's plans (min cost s.t. kept + max ws <= B) are the candidates: as B grows they
+// keep more and replay less; make_plan puts the points that keep more on later calls, which the backward frees
+// first (what the sequence model rewards). The sequence peak of these plans grows with B except for small
+// non-monotone steps, so a bisection on B finds the largest fitting budget; every evaluated plan that fits is a
+// candidate, and the cheapest wins. About 40 plan_step calls per search.
+StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t limit_bytes) {
+  TAPESAC_CHECK(model.valid && model.backward_c.size() == in.calls.size(), kConfig,
+                "plan_step: the sequence peak model has ", model.backward_c.size(), " calls, the step ",
+                in.calls.size());
+  const PeakModel additive{0};
+  std::vector<int64_t> kept, ws;
+  auto seq_peak = [&](StepPlan& p) {
+    plan_profile(p, &kept, &ws);
+    p.predicted_peak_bytes = model.predict(kept, ws);
+    return p.predicted_peak_bytes;
+  };
+  StepPlan all = plan_step(in, additive, std::numeric_limits<int64_t>::max());
+  const int64_t keep_all_peak = seq_peak(all);
+  int64_t lo = all.min_feasible_peak_bytes;  // the additive budget of the least-memory plan
+  int64_t hi = all.keep_all_peak_bytes;
+  StepPlan least = plan_step(in, additive, lo);
+  const int64_t min_feasible = seq_peak(least);
+  auto finish = [&](StepPlan p) {
+    p.min_feasible_peak_bytes = min_feasible;
+    p.keep_all_peak_bytes = keep_all_peak;
+    return p;
+  };
+  // The model counts tensor bytes, the allocator its allocations (a few bytes apart per tensor): a limit within
+  // 0.01% (at least 4 KiB) of the keep-everything prediction keeps everything — a limit set to the measured
+  // no-checkpoint peak must not make the plan replay.
+  const int64_t tolerance = std::max<int64_t>(4096, keep_all_peak / 10000);
+  if (limit_bytes >= keep_all_peak - tolerance) {
+    all.keeps_everything = true;
+    return finish(std::move(all));
+  }
+  if (limit_bytes < min_feasible) throw InfeasibleLimitError(limit_bytes, min_feasible);
+  StepPlan best = std::move(least);
+  for (int it = 0; it < 40 && hi - lo > 1; ++it) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    StepPlan p = plan_step(in, additive, mid);
+    if (seq_peak(p) <= limit_bytes) {
+      lo = mid;
+      if (p.replay_cost_ns < best.replay_cost_ns ||
+          (p.replay_cost_ns == best.replay_cost_ns && p.predicted_peak_bytes < best.predicted_peak_bytes)) {
+        best = std::move(p);
+      }
+    } else {
+      hi = mid;
+    }
+  }
+  // best.replay_cost_lower_bound_ns stays the additive problem's LP bound at the chosen budget: a bound among the
+  // plans of that budget, not over every plan the sequence model would accept.
+  best.keeps_everything = false;
+  return finish(std::move(best));
+}
+
 }  // namespace tapesac::planner

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <memory>
 #include <sstream>
+#include <unordered_set>
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -40,7 +41,7 @@ class AutoPlanner {
   /// Forget the calls of the previous step (called when a step starts).
   void begin_step() { calls_.clear(); }
 
-  py::dict plan(int64_t limit, int64_t measured_peak) {
+  py::dict plan(int64_t limit, int64_t measured_peak, bool sequence) {
     TAPESAC_CHECK(!calls_.empty(), kGeneric,
                   "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
     const auto t0 = std::chrono::steady_clock::now();
@@ -48,21 +49,33 @@ class AutoPlanner {
     problems.reserve(calls_.size());
     int64_t sum_kept = 0;
     int64_t max_ws = 0;
+    std::vector<int64_t> kept_ref, ws_ref;
     for (const Call& c : calls_) {
       planner::BlockProblem p = *c.problem;
       const std::vector<double> costs = cost_model_.costs(p.signature);
       for (size_t i = 0; i < p.ops.size() && i < costs.size(); ++i) p.ops[i].cost_ns = costs[i];
-      sum_kept += planner::kept_bytes(p, c.kept);
-      max_ws = std::max(max_ws, planner::replay_working_set_bytes(p, c.kept));
+      kept_ref.push_back(planner::kept_bytes(p, c.kept));
+      ws_ref.push_back(planner::replay_working_set_bytes(p, c.kept));
+      sum_kept += kept_ref.back();
+      max_ws = std::max(max_ws, ws_ref.back());
       problems.push_back(std::move(p));
     }
     std::vector<const planner::BlockProblem*> ptrs;
     for (const auto& p : problems) ptrs.push_back(&p);
     const planner::StepInput input = planner::build_step_input(ptrs);
     const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, sum_kept, max_ws);
+    // The sequence model, calibrated on the last step whose every block call replayed (its memory profile is
+    // complete); kept while the calls stay the same.
+    const planner::SequencePeakModel seq = planner::SequencePeakModel::calibrate(step_profile(), kept_ref, ws_ref);
+    if (seq.valid) {
+      seq_ = seq;
+    } else if (seq_.backward_c.size() != calls_.size()) {
+      seq_ = planner::SequencePeakModel{};
+    }
+    const bool use_seq = sequence && seq_.valid;
     planner::StepPlan plan;
     try {
-      plan = planner::plan_step(input, model, limit);
+      plan = use_seq ? planner::plan_step(input, seq_, limit) : planner::plan_step(input, model, limit);
     } catch (const planner::InfeasibleLimitError& e) {
       throw Error(ErrorKind::kMemoryLimit,
                   "tapesac: memory_limit " + allocator::format_bytes(limit) + " (" + std::to_string(limit) +
@@ -93,6 +106,7 @@ class AutoPlanner {
     session_.set_plans(std::move(plans));
     last_model_ = model;
     last_input_ = input;
+    last_used_seq_ = use_seq;
     py::dict out;
     out["limit"] = limit;
     out["predicted_peak_bytes"] = plan.predicted_peak_bytes;
@@ -104,6 +118,8 @@ class AutoPlanner {
     out["keep_all_peak_bytes"] = plan.keep_all_peak_bytes;
     out["keeps_everything"] = plan.keeps_everything;
     out["baseline_bytes"] = model.baseline_bytes;
+    out["model"] = use_seq ? "sequence" : "additive";
+    out["model_calibrated_now"] = seq.valid;
     out["calls"] = calls;
     out["signatures"] = static_cast<int64_t>(input.frontiers.size());
     out["planning_ms"] =
@@ -117,13 +133,17 @@ class AutoPlanner {
     TAPESAC_CHECK(!last_input_.frontiers.empty(), kGeneric,
                   "tapesac: no plan yet; frontier() needs policy='auto' and one finished step");
     py::list out;
-    const planner::StepPlan lo = planner::plan_step(last_input_, last_model_, INT64_MAX);
+    auto plan_at = [&](int64_t limit) {
+      return last_used_seq_ ? planner::plan_step(last_input_, seq_, limit)
+                            : planner::plan_step(last_input_, last_model_, limit);
+    };
+    const planner::StepPlan lo = plan_at(INT64_MAX);
     const int64_t hi_peak = lo.keep_all_peak_bytes;
     const int64_t lo_peak = lo.min_feasible_peak_bytes;
     const int n = std::max(points, 2);
     for (int k = 0; k < n; ++k) {
       const int64_t limit = lo_peak + (hi_peak - lo_peak) * k / (n - 1);
-      const planner::StepPlan p = planner::plan_step(last_input_, last_model_, limit);
+      const planner::StepPlan p = plan_at(limit);
       out.append(py::make_tuple(limit, p.predicted_peak_bytes, p.replay_cost_ns, p.sum_kept_bytes));
     }
     return out;
@@ -150,6 +170,38 @@ class AutoPlanner {
     std::vector<uint8_t> kept;
   };
 
+  /// The memory profile of the session's last step for the observed calls (invalid when a call did not replay or
+  /// two calls share a name).
+  planner::StepProfile step_profile() const {
+    const replay::StepMemoryStats& m = session_.last_memory();
+    std::unordered_map<std::string, int64_t> first_replay;
+    std::unordered_map<std::string, std::pair<int64_t, int64_t>> forward;
+    for (const replay::TimelineSpan& sp : m.spans) {
+      if (sp.kind == "forward") {
+        if (!forward.emplace(sp.block, std::make_pair(sp.begin_ns, sp.end_ns)).second) return {};
+        continue;
+      }
+      if (sp.kind != "replay") continue;
+      auto [it, inserted] = first_replay.emplace(sp.block, sp.begin_ns);
+      if (!inserted) it->second = std::min(it->second, sp.begin_ns);
+    }
+    std::vector<int64_t> starts, fwd_begin, fwd_end;
+    std::unordered_set<std::string> names;
+    for (const Call& c : calls_) {
+      if (!names.insert(c.name).second) return {};
+      auto it = first_replay.find(c.name);
+      starts.push_back(it == first_replay.end() ? -1 : it->second);
+      auto f = forward.find(c.name);
+      if (f == forward.end()) return {};
+      fwd_begin.push_back(f->second.first);
+      fwd_end.push_back(f->second.second);
+    }
+    std::vector<planner::TimedBytes> timeline;
+    timeline.reserve(m.timeline.size());
+    for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes});
+    return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
+  }
+
   void observe(const replay::BlockTapeView& v) {
     const std::string sig = hex_signature(v.signature);
     cost_model_.observe(sig, planner::measured_costs(v.tape));
@@ -168,6 +220,8 @@ class AutoPlanner {
   std::unordered_map<std::string, std::shared_ptr<const planner::BlockProblem>> problems_;
   std::vector<Call> calls_;
   planner::PeakModel last_model_;
+  planner::SequencePeakModel seq_;
+  bool last_used_seq_ = false;
   planner::StepInput last_input_;
 };
 
@@ -177,7 +231,7 @@ void bind_planner(py::module_& m) {
   py::class_<AutoPlanner>(m, "AutoPlanner")
       .def(py::init<replay::Session&>(), py::arg("session"), py::keep_alive<1, 2>())
       .def("begin_step", &AutoPlanner::begin_step)
-      .def("plan", &AutoPlanner::plan, py::arg("limit"), py::arg("measured_peak"))
+      .def("plan", &AutoPlanner::plan, py::arg("limit"), py::arg("measured_peak"), py::arg("sequence") = true)
       .def("frontier", &AutoPlanner::frontier, py::arg("points") = 12)
       .def("dump_problem", &AutoPlanner::dump_problem, py::arg("index"))
       .def_property_readonly("observed_calls", &AutoPlanner::observed_calls);

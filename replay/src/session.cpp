@@ -212,7 +212,6 @@ void BlockCall::close_forward() {
   std::lock_guard<std::mutex> lock(mu_);
   if (forward_closed_) return;
   forward_closed_ = true;
-  if (memory_) memory_->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, elapsed_ns(*memory_)});
   resolve_pending(true);
   const Tape& tape = recorder_.tape();
   BlockStats& st = closed_stats_;
@@ -388,6 +387,8 @@ void BlockCall::close_forward() {
   }
   value_state_.clear();
   for (const Read& r : targets) value_state_[r.value] = r.state;
+  // The span ends once the dropped tensors are freed: the planner's peak model reads the forward's windows.
+  if (memory_) memory_->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, elapsed_ns(*memory_)});
   if (alive_slots_ == 0) release_all();
 }
 

@@ -65,4 +65,16 @@ class InfeasibleLimitError : public Error {
 /// tapesac::Error (kConfig) on a malformed input (call referencing a missing frontier, empty frontier).
 StepPlan plan_step(const StepInput& input, const PeakModel& model, int64_t limit_bytes);
 
+/// The same under the sequence peak model (peak_model.h): the plan of minimal replay cost found whose
+/// model.predict(per-call kept, per-call working set) <= limit_bytes. The sequence model is not a function of the
+/// kept total alone, so this searches the budget B of plan_step's additive model (kept + largest working set
+/// <= B) for the largest B whose plan fits (see Note [Sequence search] in step.cpp); predicted, smallest feasible
+/// and keep-everything peaks are the sequence model's. Throws InfeasibleLimitError when the least-memory plan does
+/// not fit. replay_cost_lower_bound_ns is the additive problem's bound at the chosen budget. A limit within 0.01%
+/// (at least 4 KiB) below the keep-everything prediction keeps everything (byte accounting tolerance).
+StepPlan plan_step(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes);
+
+/// Per-call kept bytes and working sets of a plan, in call order (what SequencePeakModel::predict takes).
+void plan_profile(const StepPlan& plan, std::vector<int64_t>* kept, std::vector<int64_t>* ws);
+
 }  // namespace tapesac::planner

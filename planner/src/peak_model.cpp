@@ -1,0 +1,114 @@
+// The sequence peak model and step profiles (peak_model.h).
+#include "tapesac/planner/peak_model.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "tapesac/capture/errors.h"
+
+namespace tapesac::planner {
+namespace {
+
+constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+
+// Window boundaries in time order; the peak of the timeline's points in each [begin_k, begin_{k+1}) (the last to
+// `end`); a window without a point gets the bytes in use at its start (the last point before it).
+std::vector<int64_t> window_peaks(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& begin,
+                                  int64_t end, int64_t offset) {
+  const size_t n = begin.size();
+  std::vector<int64_t> peaks(n, kNone);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t hi = k + 1 < n ? begin[k + 1] : end;
+    int64_t before = kNone;
+    for (const TimedBytes& pt : timeline) {
+      if (pt.t_ns < begin[k]) {
+        before = pt.bytes + offset;
+      } else if (pt.t_ns < hi) {
+        peaks[k] = std::max(peaks[k], pt.bytes + offset);
+      }
+    }
+    if (peaks[k] == kNone) peaks[k] = before;
+  }
+  return peaks;
+}
+
+}  // namespace
+
+StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_begin_ns,
+                         const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
+                         int64_t offset) {
+  StepProfile p;
+  const size_t n = replay_start_ns.size();
+  if (n == 0 || timeline.empty() || forward_begin_ns.size() != n || forward_end_ns.size() != n) return p;
+  for (size_t k = 0; k < n; ++k) {
+    if (replay_start_ns[k] < 0 || forward_begin_ns[k] < 0 || forward_end_ns[k] < forward_begin_ns[k]) return p;
+    if (k > 0 && forward_begin_ns[k] < forward_end_ns[k - 1]) return p;  // forwards must not overlap
+  }
+  // Backward windows in time order: the backward reaches the calls from the last to the first, but pieces, hooks
+  // or re-entrant backwards may reorder them.
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return replay_start_ns[a] < replay_start_ns[b]; });
+  const int64_t first_replay = replay_start_ns[order[0]];
+  if (first_replay < forward_end_ns[n - 1]) return p;  // a replay during the forward: no clean windows
+  const int64_t end = std::numeric_limits<int64_t>::max();
+
+  std::vector<int64_t> fwd_begin = forward_begin_ns;
+  fwd_begin.push_back(forward_end_ns[n - 1]);  // the tail window
+  std::vector<int64_t> fwd = window_peaks(timeline, fwd_begin, first_replay, offset);
+  p.tail_peak = fwd.back();
+  fwd.pop_back();
+  p.forward_peaks = std::move(fwd);
+  p.pre_peak = window_peaks(timeline, {std::numeric_limits<int64_t>::min()}, forward_begin_ns[0], offset)[0];
+
+  std::vector<int64_t> starts;
+  for (size_t k : order) starts.push_back(replay_start_ns[k]);
+  const std::vector<int64_t> bwd = window_peaks(timeline, starts, end, offset);
+  p.backward_peaks.assign(n, kNone);
+  for (size_t k = 0; k < n; ++k) p.backward_peaks[order[k]] = bwd[k];
+
+  auto known = [](int64_t v) { return v != kNone; };
+  if (!known(p.tail_peak) || !std::all_of(p.forward_peaks.begin(), p.forward_peaks.end(), known) ||
+      !std::all_of(p.backward_peaks.begin(), p.backward_peaks.end(), known)) {
+    return p;
+  }
+  if (!known(p.pre_peak)) p.pre_peak = offset;
+  p.valid = true;
+  return p;
+}
+
+int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::vector<int64_t>& ws) const {
+  TAPESAC_CHECK(valid && kept.size() == backward_c.size() && ws.size() == backward_c.size(), kConfig,
+                "SequencePeakModel::predict: expected ", backward_c.size(), " calls (a calibrated model), got ",
+                kept.size(), " kept and ", ws.size(), " working sets");
+  int64_t peak = pre;
+  int64_t prefix = 0;  // kept bytes of the calls before k
+  for (size_t k = 0; k < kept.size(); ++k) {
+    peak = std::max(peak, forward_c[k] + prefix);
+    prefix += kept[k];
+    peak = std::max(peak, backward_c[k] + prefix + ws[k]);
+  }
+  return std::max(peak, tail_c + prefix);
+}
+
+SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const std::vector<int64_t>& kept_ref,
+                                               const std::vector<int64_t>& ws_ref) {
+  SequencePeakModel m;
+  const size_t n = profile.backward_peaks.size();
+  if (!profile.valid || kept_ref.size() != n || ws_ref.size() != n || profile.forward_peaks.size() != n) return m;
+  m.pre = profile.pre_peak;
+  m.forward_c.resize(n);
+  m.backward_c.resize(n);
+  int64_t prefix = 0;
+  for (size_t k = 0; k < n; ++k) {
+    m.forward_c[k] = profile.forward_peaks[k] - prefix;
+    prefix += kept_ref[k];
+    m.backward_c[k] = profile.backward_peaks[k] - prefix - ws_ref[k];
+  }
+  m.tail_c = profile.tail_peak - prefix;
+  m.valid = true;
+  return m;
+}
+
+}  // namespace tapesac::planner

@@ -1,0 +1,122 @@
+// Tests of the sequence (max-plus) peak model and of planning under it (peak_model.h, step.h): window profiles of
+// a timeline, exact calibration, the terms that set the peak, and plans that fit the model's prediction.
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "planner_test_util.h"
+#include "tapesac/planner/peak_model.h"
+#include "tapesac/planner/step.h"
+
+namespace tapesac::planner {
+namespace {
+
+using testing::kMiB;
+
+// Two calls: forwards [10, 20) and [20, 30), the tail [30, 40), replays of call 1 at 40 and of call 0 at 60.
+std::vector<TimedBytes> two_call_timeline() {
+  return {{5, 100}, {12, 300}, {18, 150}, {22, 400}, {28, 200}, {35, 260}, {41, 500}, {50, 420},
+          {61, 610}, {70, 90}};
+}
+
+TEST(StepProfile, WindowPeaksFromTheTimeline) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, /*offset=*/1000);
+  ASSERT_TRUE(p.valid);
+  EXPECT_EQ(p.pre_peak, 1100);
+  EXPECT_EQ(p.forward_peaks, (std::vector<int64_t>{1300, 1400}));
+  EXPECT_EQ(p.tail_peak, 1260);
+  EXPECT_EQ(p.backward_peaks, (std::vector<int64_t>{1610, 1500}));  // call 0's window is the last
+}
+
+TEST(StepProfile, InvalidWithoutEveryReplayOrWithOverlaps) {
+  const auto tl = two_call_timeline();
+  EXPECT_FALSE(profile_step(tl, {10, 20}, {20, 30}, {40, -1}, 0).valid);       // call 1 did not replay
+  EXPECT_FALSE(profile_step(tl, {10, 15}, {20, 30}, {40, 60}, 0).valid);       // forwards overlap
+  EXPECT_FALSE(profile_step(tl, {10, 20}, {20, 30}, {25, 60}, 0).valid);       // a replay inside the forward
+  EXPECT_FALSE(profile_step({}, {10, 20}, {20, 30}, {40, 60}, 0).valid);
+}
+
+TEST(StepProfile, WindowWithoutPointsInheritsTheBytesAtItsStart) {
+  const StepProfile p = profile_step({{5, 10}, {15, 50}, {25, 40}, {45, 70}}, {10}, {20}, {30}, 0);
+  ASSERT_TRUE(p.valid);
+  EXPECT_EQ(p.tail_peak, 40);
+  EXPECT_EQ(p.backward_peaks, (std::vector<int64_t>{70}));
+}
+
+TEST(SequencePeakModel, CalibrationReproducesTheMeasuredPeakAndMovesWithKeptBytes) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  const std::vector<int64_t> kept{10, 20}, ws{50, 60};
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, kept, ws);
+  ASSERT_TRUE(m.valid);
+  EXPECT_EQ(m.predict(kept, ws), 1610);  // the measured step peak
+  // Keeping 300 more in call 1 (and replaying 60 less) raises its own backward window and the tail, not call 0's
+  // forward or backward window.
+  EXPECT_EQ(m.forward_c[0], 1300);
+  EXPECT_EQ(m.predict({10, 320}, {50, 0}), 1500 + 300 - 60);
+  // Keeping more in call 0 raises every later window, including call 0's backward (the last one).
+  EXPECT_EQ(m.predict({210, 20}, {0, 60}), 1610 + 200 - 50);
+  EXPECT_THROW(m.predict({1}, {1}), Error);
+  EXPECT_FALSE(SequencePeakModel::calibrate(StepProfile{}, kept, ws).valid);
+}
+
+StepInput step_of(int n_calls, uint64_t seed) {
+  testing::RandomOptions o;
+  o.n_ops = 25;
+  o.n_candidates = 8;
+  const std::vector<BlockProblem> problems{testing::random_problem(seed, o)};
+  std::vector<const BlockProblem*> calls(static_cast<size_t>(n_calls), &problems[0]);
+  return build_step_input(calls);
+}
+
+// A model with gradients growing through the backward: later windows (earlier calls) have larger constants.
+SequencePeakModel growing_model(int n_calls) {
+  SequencePeakModel m;
+  m.valid = true;
+  m.pre = 10 * kMiB;
+  for (int k = 0; k < n_calls; ++k) {
+    m.forward_c.push_back(12 * kMiB);
+    m.backward_c.push_back((20 + 2 * (n_calls - k)) * kMiB);
+  }
+  m.tail_c = 11 * kMiB;
+  return m;
+}
+
+TEST(PlanStepSequence, PlansFitTheModelAndCostFallsWithTheLimit) {
+  const int n = 6;
+  const StepInput in = step_of(n, 7);
+  const SequencePeakModel m = growing_model(n);
+  const StepPlan all = plan_step(in, m, std::numeric_limits<int64_t>::max());
+  ASSERT_TRUE(all.keeps_everything);
+  EXPECT_EQ(all.replay_cost_ns, 0);
+  double previous = std::numeric_limits<double>::infinity();
+  std::vector<int64_t> kept, ws;
+  for (int k = 0; k <= 10; ++k) {
+    const int64_t limit = all.min_feasible_peak_bytes + (all.keep_all_peak_bytes - all.min_feasible_peak_bytes) * k / 10;
+    const StepPlan p = plan_step(in, m, limit);
+    plan_profile(p, &kept, &ws);
+    EXPECT_EQ(p.predicted_peak_bytes, m.predict(kept, ws));
+    EXPECT_LE(p.predicted_peak_bytes, limit);
+    EXPECT_LE(p.replay_cost_ns, previous + 1e-6);
+    previous = p.replay_cost_ns;
+  }
+  EXPECT_THROW(plan_step(in, m, all.min_feasible_peak_bytes - 1), InfeasibleLimitError);
+  // Within the byte-accounting tolerance below the keep-everything prediction: keep everything.
+  const int64_t tolerance = std::max<int64_t>(4096, all.keep_all_peak_bytes / 10000);
+  EXPECT_TRUE(plan_step(in, m, all.keep_all_peak_bytes - tolerance).keeps_everything);
+  EXPECT_FALSE(plan_step(in, m, all.keep_all_peak_bytes - tolerance - 1).keeps_everything);
+}
+
+TEST(PlanStepSequence, LaterCallsKeepMore) {
+  // The backward frees the last call first: with equal problems, a plan never keeps more in an earlier call.
+  const int n = 8;
+  const StepInput in = step_of(n, 11);
+  const SequencePeakModel m = growing_model(n);
+  const StepPlan all = plan_step(in, m, std::numeric_limits<int64_t>::max());
+  const StepPlan p = plan_step(in, m, (all.min_feasible_peak_bytes + all.keep_all_peak_bytes) / 2);
+  for (size_t j = 1; j < p.calls.size(); ++j) EXPECT_LE(p.calls[j - 1].kept_bytes, p.calls[j].kept_bytes);
+}
+
+}  // namespace
+}  // namespace tapesac::planner

@@ -45,24 +45,12 @@ class AutoPlanner {
     TAPESAC_CHECK(!calls_.empty(), kGeneric,
                   "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<planner::BlockProblem> problems;
-    problems.reserve(calls_.size());
-    int64_t sum_kept = 0;
-    int64_t max_ws = 0;
-    std::vector<int64_t> kept_ref, ws_ref;
-    for (const Call& c : calls_) {
-      planner::BlockProblem p = *c.problem;
-      const std::vector<double> costs = cost_model_.costs(p.signature);
-      for (size_t i = 0; i < p.ops.size() && i < costs.size(); ++i) p.ops[i].cost_ns = costs[i];
-      kept_ref.push_back(planner::kept_bytes(p, c.kept));
-      ws_ref.push_back(planner::replay_working_set_bytes(p, c.kept));
-      sum_kept += kept_ref.back();
-      max_ws = std::max(max_ws, ws_ref.back());
-      problems.push_back(std::move(p));
-    }
-    std::vector<const planner::BlockProblem*> ptrs;
-    for (const auto& p : problems) ptrs.push_back(&p);
-    const planner::StepInput input = planner::build_step_input(ptrs);
+    const Prepared prep = prepare();
+    const planner::StepInput& input = prep.input;
+    const std::vector<int64_t>& kept_ref = prep.kept_ref;
+    const std::vector<int64_t>& ws_ref = prep.ws_ref;
+    const int64_t sum_kept = prep.sum_kept;
+    const int64_t max_ws = prep.max_ws;
     const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, sum_kept, max_ws);
     // The sequence model, calibrated on the last step whose every block call replayed (its memory profile is
     // complete); kept while the calls stay the same.
@@ -127,15 +115,17 @@ class AutoPlanner {
     return out;
   }
 
-  /// The step-level frontier of the last plan's problems: (predicted peak, predicted replay cost) of the best plan
-  /// at `points` limits spread between the smallest feasible peak and the keep-everything peak.
+  /// The step-level frontier of the last step's problems with the op costs measured so far: (predicted peak,
+  /// predicted replay cost) of the best plan at `points` limits spread between the smallest feasible peak and the
+  /// keep-everything peak, under the peak model of the last plan.
   py::list frontier(int points) const {
-    TAPESAC_CHECK(!last_input_.frontiers.empty(), kGeneric,
+    TAPESAC_CHECK(!last_input_.frontiers.empty() && !calls_.empty(), kGeneric,
                   "tapesac: no plan yet; frontier() needs policy='auto' and one finished step");
+    const Prepared prep = prepare();
+    const bool seq = last_used_seq_ && seq_.backward_c.size() == prep.input.calls.size();
     py::list out;
     auto plan_at = [&](int64_t limit) {
-      return last_used_seq_ ? planner::plan_step(last_input_, seq_, limit)
-                            : planner::plan_step(last_input_, last_model_, limit);
+      return seq ? planner::plan_step(prep.input, seq_, limit) : planner::plan_step(prep.input, last_model_, limit);
     };
     const planner::StepPlan lo = plan_at(INT64_MAX);
     const int64_t hi_peak = lo.keep_all_peak_bytes;
@@ -169,6 +159,34 @@ class AutoPlanner {
     std::shared_ptr<const planner::BlockProblem> problem;
     std::vector<uint8_t> kept;
   };
+
+  /// The problems of the last step's calls with the op costs measured so far (medians over recent calls), the
+  /// step input built from them, and what the plan that ran kept per call.
+  struct Prepared {
+    planner::StepInput input;
+    std::vector<int64_t> kept_ref, ws_ref;
+    int64_t sum_kept = 0;
+    int64_t max_ws = 0;
+  };
+  Prepared prepare() const {
+    Prepared out;
+    std::vector<planner::BlockProblem> problems;
+    problems.reserve(calls_.size());
+    for (const Call& c : calls_) {
+      planner::BlockProblem p = *c.problem;
+      const std::vector<double> costs = cost_model_.costs(p.signature);
+      for (size_t i = 0; i < p.ops.size() && i < costs.size(); ++i) p.ops[i].cost_ns = costs[i];
+      out.kept_ref.push_back(planner::kept_bytes(p, c.kept));
+      out.ws_ref.push_back(planner::replay_working_set_bytes(p, c.kept));
+      out.sum_kept += out.kept_ref.back();
+      out.max_ws = std::max(out.max_ws, out.ws_ref.back());
+      problems.push_back(std::move(p));
+    }
+    std::vector<const planner::BlockProblem*> ptrs;
+    for (const auto& p : problems) ptrs.push_back(&p);
+    out.input = planner::build_step_input(ptrs);
+    return out;
+  }
 
   /// The memory profile of the session's last step for the observed calls (invalid when a call did not replay or
   /// two calls share a name).

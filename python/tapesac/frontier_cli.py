@@ -54,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = bench.build_model(args.model, size, seed=0)
     entry = bench._model_bytes(model) if size.device == "cpu" else 0
     lo, hi = res["ckpt"]["peak_bytes"], res["nockpt"]["peak_bytes"]
+    if size.device == "cpu":
+        # The same thread count as the benchmark's CPU default: the op times the frontier is priced with must
+        # come from the configuration the measured points ran in.
+        torch.set_num_threads(1)
     sac = TapeSAC(model, blocks="model.layers.*", memory_limit=int(entry + (lo + hi) / 2))
     ids = torch.randint(0, model.config.vocab_size, (size.batch, size.seq), device=size.device)
     for _ in range(5):  # op costs are per-op medians over calls: a few warm steps outweigh the cold first one

@@ -1,0 +1,397 @@
+// Tests of the CUDA-graph backend's logic on CPU (capture/exec_graph.h, replay/graph_prune.h): node attribution from
+// capture snapshots, the enabled mask of a pruned replay on random tapes, capturability and fallback reasons, the
+// relaunch-liveness state machine, input staging, and the graph replayer driving a fake executable graph that
+// "runs" its enabled nodes and reports which tape ops ran.
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tapesac/capture/exec_graph.h"
+#include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tape.h"
+#include "tapesac/replay/graph_prune.h"
+#include "tapesac/replay/prune.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::ArgRef;
+using capture::kUnowned;
+using capture::NodeAttribution;
+using capture::OpRecord;
+using capture::StorageId;
+using capture::TensorMeta;
+using capture::ValueId;
+using Handle = NodeAttribution::Handle;
+
+TensorMeta meta_of(int64_t numel) {
+  TensorMeta m;
+  m.sizes = {numel};
+  m.strides = {1};
+  m.dtype = 6;
+  m.nbytes = numel * 4;
+  return m;
+}
+
+/// Functional ops only (every op reads earlier values at their current state and makes one new storage), the way
+/// capture::Recorder fills a tape.
+struct Builder {
+  Tape tape;
+  ValueId ext() {
+    const StorageId s = tape.add_storage(true, 64);
+    return tape.add_external_value(s, meta_of(16));
+  }
+  ValueId op(const std::string& name, const std::vector<ValueId>& reads, uint32_t flags = 0, int64_t numel = 16) {
+    OpRecord rec;
+    rec.kind = capture::intern_op_kind(name);
+    rec.flags = flags;
+    for (size_t i = 0; i < reads.size(); ++i) {
+      ArgRef a;
+      a.arg = static_cast<int16_t>(i);
+      a.value = reads[i];
+      a.state = tape.state_of(tape.value(reads[i]).storage);
+      rec.inputs.push_back(a);
+    }
+    const StorageId s = tape.add_storage(false, numel * 4);
+    rec.writes.push_back(s);
+    rec.outputs.push_back(tape.add_output_value(s, 1, meta_of(numel)));
+    tape.add_op(std::move(rec));
+    return tape.ops().back().outputs[0];
+  }
+};
+
+/// Random functional tape: `n_ext` externals, `n_ops` ops reading 1..3 earlier values.
+Builder random_tape(std::mt19937& rng, int n_ext, int n_ops) {
+  Builder b;
+  std::vector<ValueId> vals;
+  for (int i = 0; i < n_ext; ++i) vals.push_back(b.ext());
+  for (int i = 0; i < n_ops; ++i) {
+    std::uniform_int_distribution<int> nread(1, 3);
+    std::vector<ValueId> reads;
+    const int k = nread(rng);
+    for (int j = 0; j < k; ++j) {
+      std::uniform_int_distribution<size_t> pick(0, vals.size() - 1);
+      reads.push_back(vals[pick(rng)]);
+    }
+    vals.push_back(b.op("aten::op" + std::to_string(i % 5), reads));
+  }
+  return b;
+}
+
+/// A fake capture: per op, a few nodes of random kinds appear (sometimes none: views), and unowned nodes appear
+/// between some ops. Drives NodeAttribution the way the CUDA capture does, listing *all* nodes in shuffled order.
+struct FakeCapture {
+  GraphTopology truth;  // in order of creation
+  NodeAttribution attribution;
+
+  FakeCapture(std::mt19937& rng, size_t n_ops, bool only_disableable) {
+    std::vector<Handle> all;
+    Handle next = 0x1000;
+    std::uniform_int_distribution<int> count(0, 3), coin(0, 9);
+    const std::vector<NodeKind> kinds = only_disableable
+        ? std::vector<NodeKind>{NodeKind::kKernel, NodeKind::kMemcpy, NodeKind::kMemset}
+        : std::vector<NodeKind>{NodeKind::kKernel, NodeKind::kMemcpy, NodeKind::kMemset, NodeKind::kEmpty,
+                                NodeKind::kEventRecord};
+    std::uniform_int_distribution<size_t> kind(0, kinds.size() - 1);
+    auto add = [&](OpIndex owner, NodeKind k) {
+      all.push_back(next);
+      next += 0x40 + 8 * static_cast<Handle>(coin(rng));  // not dense, like real pointers
+      truth.kinds.push_back(k);
+      truth.owner.push_back(owner);
+    };
+    auto snapshot = [&]() {
+      std::vector<Handle> s = all;
+      std::shuffle(s.begin(), s.end(), rng);
+      return s;
+    };
+    add(kUnowned, NodeKind::kMemcpy);  // a static-input copy before the first op
+    auto s0 = snapshot();
+    attribution.after_unowned(s0.data(), s0.size());
+    for (size_t op = 0; op < n_ops; ++op) {
+      const int n = count(rng);
+      for (int j = 0; j < n; ++j) add(static_cast<OpIndex>(op), kinds[kind(rng)]);
+      auto s = snapshot();
+      EXPECT_EQ(attribution.after_op(static_cast<OpIndex>(op), s.data(), s.size()), static_cast<size_t>(n));
+      if (coin(rng) == 0) {
+        add(kUnowned, NodeKind::kKernel);
+        auto u = snapshot();
+        attribution.after_unowned(u.data(), u.size());
+      }
+    }
+  }
+
+  /// The topology as the capture produced it (attribution order == creation order here).
+  GraphTopology topology() const {
+    GraphTopology t;
+    t.owner = attribution.owner();
+    t.kinds = truth.kinds;
+    return t;
+  }
+};
+
+/// An executable graph that, at launch, "runs" its enabled nodes in order and records the tape ops that ran.
+class FakeExec : public capture::ExecGraph {
+ public:
+  explicit FakeExec(GraphTopology topo) : topo_(std::move(topo)), enabled_(topo_.node_count(), 1) {}
+  const GraphTopology& topology() const override { return topo_; }
+  void set_enabled(NodeId n, bool on) override {
+    if (!capture::can_disable(topo_.kinds.at(static_cast<size_t>(n))))
+      throw std::invalid_argument("only kernel/memcpy/memset nodes can be toggled");
+    enabled_.at(static_cast<size_t>(n)) = on ? 1 : 0;
+    ++set_calls;
+  }
+  bool enabled(NodeId n) const override { return enabled_.at(static_cast<size_t>(n)) != 0; }
+  void launch() override {
+    ++launches;
+    ran_ops.clear();
+    ran_nodes.clear();
+    for (size_t i = 0; i < topo_.node_count(); ++i) {
+      if (!enabled_[i]) continue;
+      ran_nodes.push_back(static_cast<NodeId>(i));
+      if (topo_.owner[i] != kUnowned && (ran_ops.empty() || ran_ops.back() != topo_.owner[i]))
+        ran_ops.push_back(topo_.owner[i]);
+    }
+  }
+  std::vector<OpIndex> ran_ops;
+  std::vector<NodeId> ran_nodes;
+  int set_calls = 0;
+  int launches = 0;
+
+ private:
+  GraphTopology topo_;
+  std::vector<uint8_t> enabled_;
+};
+
+struct RecordingIo : GraphReplayer::Io {
+  std::vector<size_t> staged, copied;
+  void stage_input(size_t slot) override { staged.push_back(slot); }
+  void copy_out(size_t slot) override { copied.push_back(slot); }
+};
+
+TEST(GraphAttribution, AssignsEveryNewNodeToTheOpThatLaunchedIt) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    FakeCapture cap(rng, 40, false);
+    ASSERT_EQ(cap.attribution.node_count(), cap.truth.node_count());
+    // Node ids are in order of first sight; here that is creation order, so owners must match the truth exactly.
+    EXPECT_EQ(cap.attribution.owner(), cap.truth.owner) << "trial " << trial;
+    for (size_t i = 0; i < cap.attribution.node_count(); ++i)
+      EXPECT_EQ(cap.attribution.find(cap.attribution.handles()[i]), static_cast<NodeId>(i));
+  }
+}
+
+TEST(GraphAttribution, OpsWithoutNodesAndUnknownHandles) {
+  NodeAttribution a;
+  const std::vector<Handle> g1{10, 20};
+  EXPECT_EQ(a.after_op(0, g1.data(), g1.size()), 2u);
+  EXPECT_EQ(a.after_op(1, g1.data(), g1.size()), 0u);  // a view op launches nothing
+  const std::vector<Handle> g2{20, 30, 10};
+  EXPECT_EQ(a.after_op(3, g2.data(), g2.size()), 1u);
+  EXPECT_EQ(a.owner(), (std::vector<OpIndex>{0, 0, 3}));
+  EXPECT_EQ(a.find(99), -1);
+  EXPECT_THROW(a.after_op(2, g2.data(), g2.size()), std::invalid_argument);
+  EXPECT_THROW(a.after_op(-1, g2.data(), g2.size()), std::invalid_argument);
+}
+
+TEST(GraphPrune, EnabledNodesAreExactlyTheNodesOfNeededOpsOnRandomTapes) {
+  std::mt19937 rng(11);
+  int nontrivial = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    Builder b = random_tape(rng, 3, 30);
+    const Tape& tape = b.tape;
+    FakeCapture cap(rng, tape.ops().size(), trial % 2 == 0);
+    const GraphTopology topo = cap.topology();
+    std::vector<uint8_t> available(tape.values().size(), 0);
+    std::bernoulli_distribution keep(0.3);
+    for (auto& a : available) a = keep(rng) ? 1 : 0;
+    std::vector<Read> targets;
+    std::uniform_int_distribution<ValueId> pick(3, static_cast<ValueId>(tape.values().size()) - 1);
+    for (int i = 0; i < 3; ++i) targets.push_back({pick(rng), 1});
+    const PruneResult pr = prune(tape, targets, available);
+    ASSERT_TRUE(pr.ok) << pr.reason;
+    const std::set<OpIndex> needed(pr.ops.begin(), pr.ops.end());
+    const GraphPrune gp = prune_graph(tape, topo, pr.ops);
+    ASSERT_TRUE(gp.ok()) << gp.verdict.detail;
+    size_t on = 0, off = 0, forced = 0;
+    for (size_t n = 0; n < topo.node_count(); ++n) {
+      const OpIndex o = topo.owner[n];
+      const bool want = o == kUnowned || needed.count(o) > 0 || !capture::can_disable(topo.kinds[n]);
+      EXPECT_EQ(gp.enabled[n] != 0, want) << "trial " << trial << " node " << n << " op " << o;
+      (want ? on : off) += 1;
+      if (want && o != kUnowned && !needed.count(o) && topo.kinds[n] != NodeKind::kEmpty) ++forced;
+    }
+    EXPECT_EQ(gp.enabled_nodes, on);
+    EXPECT_EQ(gp.disabled_nodes, off);
+    EXPECT_EQ(gp.forced_nodes, forced);
+    if (off > 0) ++nontrivial;
+  }
+  EXPECT_GT(nontrivial, 100);  // the random tapes really prune
+}
+
+TEST(GraphPrune, RefusesToForceANodeOfAnOpThatMustNotRerun) {
+  Builder b;
+  const ValueId x = b.ext();
+  const ValueId y = b.op("aten::mul", {x});
+  b.op("aten::record_event", {y}, capture::kNonReplayable);
+  b.op("aten::relu", {y});
+  GraphTopology topo;
+  topo.kinds = {NodeKind::kKernel, NodeKind::kEventRecord, NodeKind::kKernel};
+  topo.owner = {0, 1, 2};
+  GraphPrune gp = prune_graph(b.tape, topo, {0});
+  EXPECT_EQ(gp.verdict.reason, GraphFallback::kNotPrunable);
+  EXPECT_EQ(gp.verdict.where, 1);
+  // The same event node on an ordinary op is forced on (extra work, still correct).
+  Builder c;
+  const ValueId x2 = c.ext();
+  const ValueId y2 = c.op("aten::mul", {x2});
+  c.op("aten::sync_free", {y2});
+  c.op("aten::relu", {y2});
+  gp = prune_graph(c.tape, topo, {0});
+  ASSERT_TRUE(gp.ok());
+  EXPECT_EQ(gp.enabled, (std::vector<uint8_t>{1, 1, 0}));
+  EXPECT_EQ(gp.forced_nodes, 1u);
+  EXPECT_THROW(prune_graph(c.tape, topo, {5}), std::invalid_argument);
+  topo.owner[2] = 9;
+  EXPECT_THROW(prune_graph(c.tape, topo, {0}), std::invalid_argument);
+}
+
+TEST(GraphCapturable, RefusesMemoryConditionalAndHostNodes) {
+  GraphTopology topo;
+  topo.kinds = {NodeKind::kMemcpy, NodeKind::kKernel, NodeKind::kEmpty, NodeKind::kMemset};
+  topo.owner = {kUnowned, 0, 1, 1};
+  EXPECT_TRUE(check_capturable(topo).ok());
+  const std::vector<std::pair<NodeKind, GraphFallback>> bad{
+      {NodeKind::kMemAlloc, GraphFallback::kMemoryNodes},
+      {NodeKind::kMemFree, GraphFallback::kMemoryNodes},
+      {NodeKind::kConditional, GraphFallback::kConditionalNodes},
+      {NodeKind::kHost, GraphFallback::kHostNodes}};
+  for (const auto& [kind, reason] : bad) {
+    GraphTopology t = topo;
+    t.kinds[2] = kind;
+    const GraphVerdict v = check_capturable(t);
+    EXPECT_EQ(v.reason, reason) << capture::to_string(kind);
+    EXPECT_EQ(v.where, 2);
+    EXPECT_NE(v.detail.find(capture::to_string(kind)), std::string::npos) << v.detail;
+  }
+  EXPECT_STREQ(to_string(GraphFallback::kMemoryNodes), "memory_nodes");
+  EXPECT_STREQ(to_string(GraphFallback::kOutputsLive), "outputs_live");
+}
+
+TEST(GraphCapturable, DataDependentShapesAreDetectedByComparingTapes) {
+  auto make = [](int64_t numel, bool extra) {
+    Builder b;
+    const ValueId x = b.ext();
+    const ValueId y = b.op("aten::nonzero", {x}, 0, numel);
+    if (extra) b.op("aten::relu", {y});
+    return b;
+  };
+  const Builder a = make(16, false);
+  EXPECT_TRUE(compare_tapes(a.tape, make(16, false).tape).ok());
+  const GraphVerdict v = compare_tapes(a.tape, make(12, false).tape);
+  EXPECT_EQ(v.reason, GraphFallback::kShapesChanged);
+  EXPECT_EQ(v.where, 0);
+  const GraphVerdict w = compare_tapes(a.tape, make(16, true).tape);
+  EXPECT_EQ(w.reason, GraphFallback::kShapesChanged);
+  EXPECT_EQ(w.where, 1);
+}
+
+TEST(GraphRelaunch, OutputsOfThePreviousLaunchMustBeDead) {
+  RelaunchGuard g({100, 50, 10});
+  EXPECT_EQ(g.before_launch(0).action, RelaunchGuard::Action::kLaunch);  // nothing launched yet
+  g.launched();
+  auto d = g.before_launch(0);
+  EXPECT_EQ(d.action, RelaunchGuard::Action::kFallBack);
+  EXPECT_EQ(d.live, (std::vector<size_t>{0, 1, 2}));
+  EXPECT_EQ(d.live_bytes, 160);
+  g.released(0);
+  g.released(0);  // idempotent
+  d = g.before_launch(60);
+  EXPECT_EQ(d.action, RelaunchGuard::Action::kCopyLive);
+  EXPECT_EQ(d.live_bytes, 60);
+  g.sync({1, 0, 0});  // slot 0 already dead stays dead; 1 and 2 died
+  EXPECT_FALSE(g.live(0));
+  EXPECT_FALSE(g.live(1));
+  EXPECT_EQ(g.before_launch(0).action, RelaunchGuard::Action::kLaunch);
+  g.launched();
+  EXPECT_TRUE(g.live(1));
+  EXPECT_EQ(g.launches(), 2);
+  EXPECT_THROW(g.released(3), std::out_of_range);
+  EXPECT_THROW(g.sync({1}), std::invalid_argument);
+}
+
+TEST(GraphInputs, OnlyMovedInputsAreStagedAndNewShapesAreRefused) {
+  const std::vector<StaticInput> cap{{0x1000, 64}, {0x2000, 32}, {0x3000, 8}};
+  EXPECT_TRUE(inputs_to_stage(cap, {0x1000, 0x2000, 0x3000}, {64, 32, 8}).empty());
+  EXPECT_EQ(inputs_to_stage(cap, {0x1000, 0x9000, 0x3008}, {64, 32, 8}), (std::vector<size_t>{1, 2}));
+  EXPECT_THROW(inputs_to_stage(cap, {0x1000, 0x2000, 0x3000}, {64, 16, 8}), std::invalid_argument);
+  EXPECT_THROW(inputs_to_stage(cap, {0x1000}, {64}), std::invalid_argument);
+}
+
+TEST(GraphReplayer, RunsExactlyTheNeededOpsAndTogglesOnlyChangedNodes) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 50; ++trial) {
+    Builder b = random_tape(rng, 2, 25);
+    FakeCapture cap(rng, b.tape.ops().size(), true);
+    FakeExec exec(cap.topology());
+    GraphReplayer rep(b.tape, exec, {{0x1000, 64}}, {256}, {});
+    RecordingIo io;
+    std::vector<OpIndex> prev;
+    for (int round = 0; round < 3; ++round) {
+      std::vector<Read> targets{{static_cast<ValueId>(2 + rng() % 25), 1}};
+      const PruneResult pr = prune(b.tape, targets, {});
+      ASSERT_TRUE(pr.ok);
+      rep.outputs().released(0);  // the previous launch's output died
+      const auto r = rep.replay(pr.ops, {round == 1 ? 0x5000u : 0x1000u}, {64}, io);
+      ASSERT_TRUE(r.launched) << r.verdict.detail;
+      // The fake ran the needed ops that launched nodes, in tape order, and nothing else.
+      std::vector<OpIndex> expect;
+      for (const OpIndex o : pr.ops)
+        if (std::count(cap.truth.owner.begin(), cap.truth.owner.end(), o) > 0) expect.push_back(o);
+      EXPECT_EQ(exec.ran_ops, expect) << "trial " << trial << " round " << round;
+      EXPECT_EQ(r.staged, round == 1 ? std::vector<size_t>{0} : std::vector<size_t>{});
+      if (round > 0 && pr.ops == prev) {
+        EXPECT_EQ(r.toggled, 0u);
+      }
+      prev = pr.ops;
+    }
+    EXPECT_EQ(exec.launches, 3);
+    EXPECT_EQ(io.staged, std::vector<size_t>{0});
+  }
+}
+
+TEST(GraphReplayer, LiveOutputsAreCopiedOutOrTheReplayFallsBack) {
+  Builder b;
+  const ValueId x = b.ext();
+  b.op("aten::relu", {b.op("aten::mul", {x})});
+  GraphTopology topo;
+  topo.kinds = {NodeKind::kKernel, NodeKind::kKernel};
+  topo.owner = {0, 1};
+  FakeExec exec(topo);
+  RecordingIo io;
+  GraphReplayer small(b.tape, exec, {}, {64}, {/*copy_budget_bytes=*/64});
+  ASSERT_TRUE(small.replay({0, 1}, {}, {}, io).launched);
+  auto r = small.replay({0}, {}, {}, io);  // output still live: 64 bytes fit the budget
+  ASSERT_TRUE(r.launched);
+  EXPECT_EQ(r.copied, std::vector<size_t>{0});
+  EXPECT_EQ(io.copied, std::vector<size_t>{0});
+  EXPECT_EQ(exec.ran_ops, std::vector<OpIndex>{0});
+
+  FakeExec exec2(topo);
+  GraphReplayer strict(b.tape, exec2, {}, {64}, {/*copy_budget_bytes=*/0});
+  ASSERT_TRUE(strict.replay({0, 1}, {}, {}, io).launched);
+  r = strict.replay({0, 1}, {}, {}, io);
+  EXPECT_FALSE(r.launched);
+  EXPECT_EQ(r.verdict.reason, GraphFallback::kOutputsLive);
+  EXPECT_EQ(exec2.launches, 1);
+  strict.outputs().sync({0});
+  EXPECT_TRUE(strict.replay({0, 1}, {}, {}, io).launched);
+}
+
+}  // namespace
+}  // namespace tapesac::replay

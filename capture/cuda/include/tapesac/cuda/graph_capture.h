@@ -1,0 +1,87 @@
+// CUDA-graph capture of one block's forward with per-op node attribution, and the executable graph it yields.
+//
+// Contract.
+//  * GraphCapture captures through at::cuda::CUDAGraph(keep_graph=true), so PyTorch's RNG bookkeeping applies
+//    (random ops draw (seed, base offset + intragraph offset) at each replay, reference/cuda.md §B6), on a side
+//    stream taken from PyTorch's pool, in cudaStreamCaptureModeThreadLocal. The caller warms the block up eagerly
+//    on stream() first (lazy cuBLAS/cuDNN init must not happen under capture), then: begin(); for each tape op, run
+//    it and call after_op(op) (or after_unowned() after work that is no tape op's); end().
+//  * after_op() lists the graph's nodes mid-capture (cudaStreamGetCaptureInfo + cudaGraphGetNodes under a Relaxed
+//    capture-mode guard) and attributes the new ones to the op (capture::NodeAttribution, Note [Node attribution]).
+//  * end() ends the capture. When it was invalidated (a host sync, an illegal call, a legacy-stream touch), the
+//    outcome carries no graph and the CUDA error text; otherwise the graph is instantiated and returned as a
+//    CudaExecGraph whose topology() holds every node's kind and owner. Capturability (memory/conditional/host
+//    nodes) is judged by replay::check_capturable on that topology.
+//  * CudaExecGraph::set_enabled() is cudaGraphNodeSetEnabled on the executable, naming template nodes (which
+//    keep_graph keeps alive); launch() is CUDAGraph::replay() on the current stream (RNG prologue included).
+//  * Every method needs a CUDA device and throws std::runtime_error on CUDA failure; never call them when
+//    tapesac::cuda::device_count() == 0. Not thread-safe; a capture is used by the thread that began it.
+//  Including this header pulls in no CUDA or torch headers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tapesac/capture/exec_graph.h"
+
+namespace tapesac::cuda {
+
+struct GraphCaptureOptions {
+  /// Memory pool the captured allocations come from (a MempoolId_t; {0, 0}: a fresh private pool). Blocks
+  /// captured into one shared pool in execution order form one replay arena (reference/cuda.md §B2).
+  uint64_t pool_first = 0;
+  uint64_t pool_second = 0;
+};
+
+class CudaExecGraph final : public capture::ExecGraph {
+ public:
+  struct Impl;
+  explicit CudaExecGraph(std::unique_ptr<Impl> impl);
+  ~CudaExecGraph() override;
+  CudaExecGraph(const CudaExecGraph&) = delete;
+  CudaExecGraph& operator=(const CudaExecGraph&) = delete;
+
+  const capture::GraphTopology& topology() const override;
+  void set_enabled(capture::NodeId n, bool enabled) override;
+  bool enabled(capture::NodeId n) const override;
+  void launch() override;
+  /// Writes the template graph as Graphviz dot (cudaGraphDebugDotPrint, verbose) for debugging.
+  void dump_dot(const std::string& path) const;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct CaptureOutcome {
+  /// Null when the capture failed; `error` then says why.
+  std::unique_ptr<CudaExecGraph> graph;
+  std::string error;
+};
+
+class GraphCapture {
+ public:
+  /// Takes a side stream from PyTorch's pool on the current device. Throws std::runtime_error without a device.
+  explicit GraphCapture(GraphCaptureOptions options = {});
+  /// Ends a capture still in progress (dropping its graph) and restores the caller's stream.
+  ~GraphCapture();
+  GraphCapture(const GraphCapture&) = delete;
+  GraphCapture& operator=(const GraphCapture&) = delete;
+
+  /// The side stream (a cudaStream_t) the warm-up and the capture run on.
+  void* stream() const;
+  /// Makes the side stream current (after the caller's stream's work) and begins capturing.
+  void begin();
+  /// Attributes the nodes added since the last call to tape op `op` (ops in tape order).
+  void after_op(capture::OpIndex op);
+  /// Marks the nodes added since the last call as launched by no tape op.
+  void after_unowned();
+  /// Ends the capture, instantiates the graph, restores the caller's stream (which then waits for the side stream).
+  CaptureOutcome end();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tapesac::cuda

@@ -1,0 +1,56 @@
+// Attribution of device activity records (CUPTI kernels, memcpys, memsets) to tape ops: the pure part of the
+// CUPTI timer (capture/cuda/cupti_timer.h), torch-free and CUDA-free so it is tested on CPU.
+//
+// Note [Kernel time attribution]. Eager: the timer pushes the external correlation id external_id(block, op)
+// (CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM2; Kineto uses CUSTOM0/1) around each op's dispatch; CUPTI then emits, per
+// runtime/driver API call inside, an external-correlation record {correlation_id -> external id}, and each kernel
+// record carries the API call's correlation_id. Graph replay: a kernel record carries the id of the node *cloned
+// into the executable* (graph_node_id != 0), mapped back to the tape op through the GRAPHNODE_CLONED callback and
+// the capture's node attribution (`graph_node_owner`). Time per op = sum of (end - start) of its records: device
+// time, launch gaps not included. Records that map to no op of this block are counted as unattributed.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "tapesac/capture/tape.h"
+
+namespace tapesac::capture {
+
+/// One device activity (kernel, memcpy or memset) as the CUPTI timer extracts it from an activity record.
+struct DeviceActivity {
+  uint32_t correlation_id = 0;
+  uint64_t start_ns = 0;
+  uint64_t end_ns = 0;
+  /// Id of the executable-graph node that ran it; 0 for work launched outside a graph.
+  uint64_t graph_node_id = 0;
+};
+
+/// CUPTI's external-correlation record: API call `correlation_id` ran under external id `external_id`.
+struct ExternalCorrelation {
+  uint32_t correlation_id = 0;
+  uint64_t external_id = 0;
+};
+
+/// The external correlation id of op `op` of block `block` (block in the high 32 bits).
+inline uint64_t external_id(int32_t block, OpIndex op) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(block)) << 32) | static_cast<uint32_t>(op);
+}
+
+struct OpKernelTimes {
+  /// Device nanoseconds per tape op (size n_ops).
+  std::vector<int64_t> ns;
+  /// Records per tape op.
+  std::vector<int32_t> records;
+  int64_t unattributed_ns = 0;
+  int64_t unattributed_records = 0;
+};
+
+/// Note [Kernel time attribution]. `graph_node_owner`: executable-graph node id -> tape op of `block` (empty for
+/// eager). Pure; O(records + correlations).
+OpKernelTimes attribute_kernel_times(const std::vector<DeviceActivity>& activities,
+                                     const std::vector<ExternalCorrelation>& correlations, int32_t block,
+                                     size_t n_ops, const std::unordered_map<uint64_t, OpIndex>& graph_node_owner);
+
+}  // namespace tapesac::capture

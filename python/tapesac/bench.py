@@ -537,7 +537,7 @@ def tapesac_cuda_graph_variants(ctx: Ctx) -> list[Variant]:
         v = _tapesac_variant(ctx, name, label, policy="full", backend="cuda_graph")
     except ctx.tapesac.ConfigError as e:
         return [_placeholder(name, label, "tapesac", "unavailable",
-                             f"CUDA-graph backend not built (ConfigError: {str(e).split(';')[0]})")]
+                             f"CUDA-graph backend unavailable (ConfigError: {str(e).split(';')[0]})")]
     v.optional = True
     return [v]
 

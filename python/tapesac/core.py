@@ -31,7 +31,7 @@ from .preserve import PRESERVE_MODES
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
 POLICIES = ("none", "full", "auto")
-BACKENDS = ("auto", "eager")
+BACKENDS = ("auto", "eager", "cuda_graph")
 CONTRACTS = ("check", "strict", "off")
 MAX_PRESERVE_CHOICES = 1024
 HISTORY_STEPS = 1000
@@ -178,6 +178,23 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """The replay backend for `backend` (validated) on `device`: "eager" for now (see the docstring of TapeSAC)."""
+    if backend == "cuda_graph":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(
+                f"backend='cuda_graph' needs a CUDA device: the model is on {device} (torch.cuda.is_available() = "
+                f"{torch.cuda.is_available()}); use backend='eager', or 'auto', which picks eager there")
+        if not getattr(_C, "has_cuda_backend", False):
+            raise ConfigError("backend='cuda_graph' needs tapesac built with its GPU backend (this build has none); "
+                              "rebuild where nvcc and a CUDA torch are present, or use backend='eager'")
+        raise ConfigError(
+            "backend='cuda_graph': the CUDA-graph replayer is not wired into TapeSAC's step yet (its C++ capture, "
+            "pruning and relaunch checks exist, see README 'GPU backend'); use backend='eager', or 'auto', which "
+            "picks eager for now")
+    return "eager"
+
+
 def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     named = list(model.named_modules())
     by_id = {id(m): n for n, m in named}
@@ -258,7 +275,9 @@ class TapeSAC:
             device's memory (``"90%"``; on CPU of physical RAM). Enforced during replay: a replay that would not fit
             runs in pieces, and one that cannot fit raises MemoryLimitError. With a limit, the default policy is
             ``"auto"`` (the planner).
-        backend: ``"auto"`` or ``"eager"`` (the CUDA-graph backend is not available yet).
+        backend: ``"auto"``, ``"eager"`` or ``"cuda_graph"``. ``"auto"`` picks eager replay (the CUDA-graph
+            replayer is not wired into the step yet, see README "GPU backend"); ``"cuda_graph"`` raises ConfigError:
+            without a CUDA device it cannot run, and with one it is not wired yet. ``backend`` holds the choice.
         contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor, metadata checks
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
@@ -299,6 +318,7 @@ class TapeSAC:
                               f"{type(log).__name__}")
         if backend not in BACKENDS:
             raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
+        self.backend = _resolve_backend(backend, self._device)
         if contract not in CONTRACTS:
             raise ConfigError(f"contract={contract!r} is not supported; expected one of {list(CONTRACTS)}")
         if preserve not in PRESERVE_MODES:

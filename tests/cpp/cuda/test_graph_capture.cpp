@@ -109,3 +109,49 @@ TEST(CudaGraphCapture, HostSyncInvalidatesTheCaptureAndReportsIt) {
   EXPECT_FALSE(outcome.graph);
   EXPECT_FALSE(outcome.error.empty());
 }
+
+TEST(CudaGraphCapture, DropoutMasksMatchEagerAndSurvivePruning) {
+  TAPESAC_NEED_DEVICE();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  auto x = torch::ones({1 << 16}, opts);
+  tc::GraphCapture cap;
+  {
+    auto s = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(cap.stream()), 0);
+    c10::cuda::CUDAStreamGuard g(s);
+    (void)torch::dropout(x * 3, 0.5, true);
+    s.synchronize();
+  }
+  cap.begin();
+  auto a = torch::dropout(x, 0.5, /*train=*/true);
+  cap.after_op(0);
+  auto b = x * 3;
+  cap.after_op(1);
+  auto c = torch::dropout(b, 0.5, /*train=*/true);
+  cap.after_op(2);
+  auto outcome = cap.end();
+  ASSERT_TRUE(outcome.graph) << outcome.error;
+  auto& g = *outcome.graph;
+
+  // Eager reference of the same op sequence from the same (seed, offset).
+  torch::cuda::manual_seed(1234);
+  const auto ea = torch::dropout(x, 0.5, true);
+  const auto ec = torch::dropout(x * 3, 0.5, true);
+  torch::cuda::manual_seed(1234);
+  g.launch();
+  torch::cuda::synchronize();
+  EXPECT_TRUE(bitwise_equal(a, ea));
+  EXPECT_TRUE(bitwise_equal(c, ec));
+
+  // Pruned (op 0 disabled): op 2 still draws the numbers of the full sequence.
+  const auto& topo = g.topology();
+  for (size_t i = 0; i < topo.node_count(); ++i) {
+    if (topo.owner[i] == 0 && tapesac::capture::can_disable(topo.kinds[i])) g.set_enabled(static_cast<int>(i), false);
+  }
+  a.fill_(-1);
+  c.zero_();
+  torch::cuda::manual_seed(1234);
+  g.launch();
+  torch::cuda::synchronize();
+  EXPECT_TRUE(bitwise_equal(c, ec));
+  EXPECT_TRUE(bitwise_equal(a, torch::full_like(a, -1)));
+}

@@ -105,6 +105,13 @@ bool CudaExecGraph::enabled(capture::NodeId n) const {
 
 void CudaExecGraph::launch() { impl_->graph->replay(); }
 
+std::vector<uint64_t> CudaExecGraph::node_handles() const {
+  std::vector<uint64_t> out;
+  out.reserve(impl_->nodes.size());
+  for (const cudaGraphNode_t n : impl_->nodes) out.push_back(handle_of(n));
+  return out;
+}
+
 void CudaExecGraph::dump_dot(const std::string& path) const {
   TAPESAC_CUDA_CHECK(cudaGraphDebugDotPrint(impl_->graph->raw_cuda_graph(), path.c_str(),
                                             cudaGraphDebugDotFlagsVerbose));

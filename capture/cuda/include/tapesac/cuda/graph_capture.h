@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tapesac/capture/exec_graph.h"
 
@@ -46,6 +47,8 @@ class CudaExecGraph final : public capture::ExecGraph {
   void set_enabled(capture::NodeId n, bool enabled) override;
   bool enabled(capture::NodeId n) const override;
   void launch() override;
+  /// Template node handles (cudaGraphNode_t as uint64_t), indexed by NodeId (for CuptiTimer::exec_node_owner).
+  std::vector<uint64_t> node_handles() const;
   /// Writes the template graph as Graphviz dot (cudaGraphDebugDotPrint, verbose) for debugging.
   void dump_dot(const std::string& path) const;
 

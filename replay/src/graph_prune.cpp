@@ -246,7 +246,12 @@ GraphReplayer::Result GraphReplayer::replay(const std::vector<OpIndex>& needed_o
     return r;
   }
   // Validate inputs before touching anything, so a refused replay leaves the graph as it was.
-  r.staged = inputs_to_stage(inputs_, input_ptrs, input_nbytes);
+  try {
+    r.staged = inputs_to_stage(inputs_, input_ptrs, input_nbytes);
+  } catch (const std::invalid_argument& e) {
+    r.verdict = refuse(GraphFallback::kShapesChanged, -1, std::string(e.what()) + "; the block replays eagerly");
+    return r;
+  }
   for (const size_t slot : d.live) {
     io.copy_out(slot);
     guard_.released(slot);

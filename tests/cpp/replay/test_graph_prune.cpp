@@ -393,5 +393,24 @@ TEST(GraphReplayer, LiveOutputsAreCopiedOutOrTheReplayFallsBack) {
   EXPECT_TRUE(strict.replay({0, 1}, {}, {}, io).launched);
 }
 
+TEST(GraphReplayer, AnInputOfAnotherSizeFallsBackWithoutTouchingTheGraph) {
+  Builder b;
+  const ValueId x = b.ext();
+  b.op("aten::relu", {b.op("aten::mul", {x})});
+  GraphTopology topo;
+  topo.kinds = {NodeKind::kKernel, NodeKind::kKernel};
+  topo.owner = {0, 1};
+  FakeExec exec(topo);
+  RecordingIo io;
+  GraphReplayer rep(b.tape, exec, {{0x1000, 64}}, {64}, {});
+  const auto r = rep.replay({0}, {0x2000}, {32}, io);
+  EXPECT_FALSE(r.launched);
+  EXPECT_EQ(r.verdict.reason, GraphFallback::kShapesChanged);
+  EXPECT_EQ(exec.set_calls, 0);
+  EXPECT_EQ(exec.launches, 0);
+  EXPECT_TRUE(io.staged.empty());
+  EXPECT_FALSE(rep.outputs().live(0));
+}
+
 }  // namespace
 }  // namespace tapesac::replay

@@ -162,7 +162,9 @@ class GraphReplayer {
   GraphReplayer(const Tape& tape, ExecGraph& exec, std::vector<StaticInput> inputs, std::vector<int64_t> output_bytes,
                 Options options);
 
-  /// Replays `needed_ops` with the inputs now at `input_ptrs` / `input_nbytes` (one per static input).
+  /// Replays `needed_ops` with the inputs now at `input_ptrs` / `input_nbytes` (one per static input). Refusals
+  /// (Result::launched false, verdict says why: not_prunable, outputs_live, shapes_changed for an input of another
+  /// size or count) leave the executable and the liveness state untouched; the caller replays eagerly.
   Result replay(const std::vector<OpIndex>& needed_ops, const std::vector<uint64_t>& input_ptrs,
                 const std::vector<int64_t>& input_nbytes, Io& io);
 

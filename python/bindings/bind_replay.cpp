@@ -41,6 +41,10 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["replay_pieces"] = s.replay_pieces;
   d["planned"] = s.planned;
   d["capture_error"] = s.capture_error;
+  d["approx_mlp"] = s.approx.mlp_applied;
+  d["approx_mlp_skipped"] = s.approx.mlp_skipped;
+  d["approx_units_total"] = s.approx.units_total;
+  d["approx_units_recomputed"] = s.approx.units_recomputed;
   return d;
 }
 
@@ -109,6 +113,23 @@ void bind_replay(py::module_& m) {
            py::arg("check_metadata") = true, py::arg("check_bytes") = false, py::arg("memory_limit") = 0,
            py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0)
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
+      .def(
+          "set_approx",
+          [](Session& s, double fraction, const std::string& method, bool mlp, uint64_t seed, bool reweight) {
+            TAPESAC_CHECK(fraction > 0 && fraction <= 1, kConfig, "approx fraction must be in (0, 1], got ", fraction);
+            TAPESAC_CHECK(method == "sketch" || method == "greedy", kConfig,
+                          "approx method must be 'sketch' or 'greedy', got '", method, "'");
+            replay::ApproxOptions o;
+            o.fraction = fraction;
+            o.method = method == "greedy" ? replay::ApproxMethod::kGreedy : replay::ApproxMethod::kSketch;
+            o.mlp = mlp;
+            o.seed = seed;
+            o.reweight = reweight;
+            s.set_approx(std::make_shared<replay::Approx>(o));
+          },
+          py::arg("fraction"), py::arg("method"), py::arg("mlp") = true, py::arg("seed") = 0,
+          py::arg("reweight") = true)
+      .def("clear_approx", [](Session& s) { s.set_approx(nullptr); })
       .def("shutdown", &Session::shutdown)
       .def_property_readonly("memory_limit", [](const Session& s) { return s.options().memory_limit; })
       .def("last_memory", [](const Session& s) { return memory_to_dict(s.last_memory()); })

@@ -37,18 +37,50 @@ RECALIBRATIONS = 1
 _thread_state = threading.local()
 
 
+APPROX_METHODS = ("sketch", "greedy")
+APPROX_TARGETS = ("mlp",)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Approx:
-    """Approximate rematerialization of linear layers (not available yet: passing one raises ConfigError).
+    """Approximate rematerialization of linear layers: replay recomputes only a fraction of each gated MLP's hidden
+    units (README, "Approximate rematerialization"). The forward and the loss are exact; gradients are estimates.
 
-    fraction: share of components recomputed, in (0, 1].
-    method: "sketch" (unbiased randomized sketch) or "greedy" (most important components).
-    targets: which linear layers: any of "mlp", "attn".
+    fraction: share of the hidden units recomputed, in (0, 1]. 1 is exact (bitwise equal to exact replay).
+    method: "sketch" samples units with probabilities proportional to importance and reweights them by 1/p (an
+        unbiased gradient estimate); "greedy" recomputes the most important units (biased, lower variance).
+    targets: the components approximated: ("mlp",) — gated MLPs (SwiGLU/GeGLU: HF Llama, Qwen3, Mistral, ...).
+        Attention heads ("attn") are not implemented yet.
+    seed: seed of the sketch's sampling (a private generator; torch's generators are never touched). Each step and
+        each block call draws independently.
     """
 
     fraction: float = 2 / 3
     method: str = "sketch"
-    targets: tuple[str, ...] = ("mlp", "attn")
+    targets: tuple[str, ...] = ("mlp",)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not (
+            0 < self.fraction <= 1
+        ):
+            raise ConfigError(f"Approx(fraction={self.fraction!r}): expected a number in (0, 1], e.g. 2/3")
+        if self.method not in APPROX_METHODS:
+            raise ConfigError(f"Approx(method={self.method!r}): expected one of {list(APPROX_METHODS)}")
+        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+        if not isinstance(targets, (tuple, list)) or not targets or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(f"Approx(targets={self.targets!r}): expected a non-empty tuple of {list(APPROX_TARGETS)}")
+        for t in targets:
+            if t == "attn":
+                raise ConfigError(
+                    "Approx(targets=...): 'attn' (per-head approximation of attention) is not implemented yet; use "
+                    "targets=('mlp',). Attention is replayed exactly."
+                )
+            if t not in APPROX_TARGETS:
+                raise ConfigError(f"Approx(targets={self.targets!r}): unknown target {t!r}; expected {list(APPROX_TARGETS)}")
+        object.__setattr__(self, "targets", tuple(dict.fromkeys(targets)))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"Approx(seed={self.seed!r}): expected an int in [0, 2**64)")
 
 
 @dataclass(frozen=True)
@@ -74,13 +106,19 @@ class _Counts:
 class BlockStats(_Counts):
     """One block call of a step. ``replayed_bytes``: bytes allocated by its replays; ``replay_peak_bytes``: the
     largest measured working set of one replay; ``predicted_replay_bytes``: the largest predicted from the tape;
-    ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``."""
+    ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``. With ``approx``:
+    ``approx_mlp`` gated MLPs approximated (``approx_mlp_skipped``: found but replayed exactly, e.g. a value kept),
+    ``approx_units_total`` their hidden units and ``approx_units_recomputed`` how many replay recomputes."""
 
     name: str
     replay_peak_bytes: int = 0
     predicted_replay_bytes: int = 0
     planned: bool = False
     capture_error: str = ""
+    approx_mlp: int = 0
+    approx_mlp_skipped: int = 0
+    approx_units_total: int = 0
+    approx_units_recomputed: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +132,9 @@ class StepStats(_Counts):
     blocks: tuple[BlockStats, ...] = ()
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
     memory: MemoryStats | None = None
+    approx_mlp: int = 0
+    approx_units_total: int = 0
+    approx_units_recomputed: int = 0
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -256,7 +297,8 @@ class TapeSAC:
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
         log: a path: one JSON line per step (the step's statistics and memory) is appended to it.
-        approx: reserved for approximate rematerialization; must be None for now.
+        approx: a ``tapesac.Approx``: replay recomputes only a fraction of each gated MLP's hidden units (greedy, or
+            an unbiased sketch); the loss stays exact, gradients become estimates. None (default): exact replay.
     """
 
     def __init__(
@@ -284,8 +326,12 @@ class TapeSAC:
             raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
         if contract not in CONTRACTS:
             raise ConfigError(f"contract={contract!r} is not supported; expected one of {list(CONTRACTS)}")
-        if approx is not None:
-            raise ConfigError("approx: approximate rematerialization is not available yet; pass approx=None")
+        if approx is not None and not isinstance(approx, Approx):
+            raise ConfigError(f"approx must be a tapesac.Approx(fraction=..., method=..., targets=...) or None, got "
+                              f"{type(approx).__name__}")
+        if approx is not None and contract == "strict":
+            raise ConfigError("approx cannot run with contract='strict' (which checks that replay rebuilds every "
+                              "dropped tensor byte for byte); use contract='check' with approx")
         self._model = model
         self._blocks = _resolve_blocks(model, blocks)
         compiled = [n for n, m in self._blocks if _is_compiled(m)]
@@ -308,6 +354,10 @@ class TapeSAC:
         self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
                                    memory_limit=limit or 0, arena_pool=arena,
                                    arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0)
+        self._approx = approx
+        if approx is not None:
+            self._session.set_approx(float(approx.fraction), approx.method, mlp="mlp" in approx.targets,
+                                     seed=approx.seed)
         self._planner = None
         self._limit = limit or 0
         self._model_error = 0
@@ -518,6 +568,10 @@ class TapeSAC:
                 predicted_replay_bytes=b["predicted_replay_bytes"],
                 planned=bool(b["planned"]),
                 capture_error=b["capture_error"],
+                approx_mlp=b["approx_mlp"],
+                approx_mlp_skipped=b["approx_mlp_skipped"],
+                approx_units_total=b["approx_units_total"],
+                approx_units_recomputed=b["approx_units_recomputed"],
             )
             for b in raw
         )
@@ -541,6 +595,9 @@ class TapeSAC:
             step_ms=seconds * 1e3,
             blocks=blocks,
             ops_replayed_by_name=dict(self._session.last_replayed_by_name()),
+            approx_mlp=sum(b.approx_mlp for b in blocks),
+            approx_units_total=sum(b.approx_units_total for b in blocks),
+            approx_units_recomputed=sum(b.approx_units_recomputed for b in blocks),
         )
 
     def _warn_unmatched(self) -> None:
@@ -638,6 +695,11 @@ class TapeSAC:
         self._close_open_blocks()
         self._session.shutdown()
         self._closed = True
+
+    @property
+    def approx(self) -> Approx | None:
+        """The approximation in use (None: exact replay)."""
+        return self._approx
 
     def __repr__(self) -> str:
         return f"TapeSAC(blocks={len(self._blocks)}, policy={self._policy_label!r}, steps={self._steps})"

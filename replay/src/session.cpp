@@ -299,6 +299,15 @@ void BlockCall::close_forward() {
     }
   }
 
+  if (session_ != nullptr && session_->approx() != nullptr) {
+    // Before the drop: importance is measured on the tensors the forward saved.
+    try {
+      approx_ = session_->approx()->prepare(tape, decision, tensor_of, st.approx);
+    } catch (...) {
+      approx_.reset();  // an optimisation only: on failure (out of memory) this call replays exactly
+    }
+  }
+
   // Drop: release the slots' references; count bytes by unique storage (a storage that a kept tensor still
   // holds is not freed by dropping another view of it).
   std::unordered_set<const void*> kept_storages, opaque_storages, dropped_storages;
@@ -504,6 +513,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     src.available = &available_;
     ReplayOptions opts;
     opts.check_metadata = options_->check_metadata;
+    opts.op_override = approx_.get();
 #ifdef TAPESAC_WITH_CUDA
     std::optional<cuda::ArenaRouting> arena_routing;
     if (options_->arena_pool_id.second != 0 || options_->arena_pool_id.first != 0) {
@@ -511,6 +521,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     }
 #endif
     auto out = replay(src, targets, opts, &replay_stats_);
+    if (approx_) approx_->finish(out);
     ++replays_;
     if (counter != nullptr) {
       const int64_t ws = counter->window_peak() - window_start;
@@ -549,6 +560,7 @@ void BlockCall::close_step() noexcept {
   for (Slot& s : slots_) s.tensor.reset();
   cache_.clear();
   live_.clear();
+  approx_.reset();
   recorder_.clear();
 }
 
@@ -591,12 +603,18 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   memory_->counter = std::make_shared<allocator::MemoryCounter>(options_.timeline_points);
   memory_->baseline = baseline;
   counter_scope_.emplace(memory_->counter);
+  if (approx_) approx_->begin_step();
   in_step_ = true;
 }
 
 void Session::set_plans(std::unordered_map<std::string, BlockPlan> plans) {
   TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: a plan can only be set between steps");
   plans_ = std::move(plans);
+}
+
+void Session::set_approx(std::shared_ptr<Approx> approx) {
+  TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: approximation can only be configured between steps");
+  approx_ = std::move(approx);
 }
 
 void Session::shutdown() noexcept {

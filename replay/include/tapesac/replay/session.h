@@ -24,6 +24,7 @@
 #include "tapesac/allocator/limit.h"
 #include "tapesac/allocator/telemetry.h"
 #include "tapesac/capture/recorder.h"
+#include "tapesac/replay/approx.h"
 #include "tapesac/replay/eager_replayer.h"
 
 namespace tapesac::replay {
@@ -132,6 +133,8 @@ struct BlockStats {
   int64_t planned = 0;
   uint64_t signature = 0;
   std::string capture_error;
+  /// Approximate rematerialization (Session::set_approx): what was matched and how many units replay recomputes.
+  ApproxStats approx;
 };
 
 /// One call of one block within a step. Thread-safe for pack/unpack after close_forward(); recording itself
@@ -222,6 +225,7 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   int64_t alive_slots_ = 0;
   std::unordered_map<capture::ValueId, at::Tensor> cache_;
   ReplayStats replay_stats_;
+  std::unique_ptr<BlockApprox> approx_;  // null: exact replay
   int64_t replays_ = 0;
   BlockStats closed_stats_;
 };
@@ -278,6 +282,9 @@ class Session {
   /// view is valid only during the call. Used by the planner's bindings to build problems and costs.
   void set_tape_observer(std::function<void(const BlockTapeView&)> observer) { observer_ = std::move(observer); }
   const std::function<void(const BlockTapeView&)>& tape_observer() const { return observer_; }
+  /// Approximate rematerialization for later steps (null: off). Between steps only.
+  void set_approx(std::shared_ptr<Approx> approx);
+  Approx* approx() const { return approx_.get(); }
   /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
   /// installed again by the next begin_step()). Never throws.
   void shutdown() noexcept;
@@ -300,6 +307,7 @@ class Session {
   StepMemoryStats last_memory_;
   std::unordered_map<std::string, BlockPlan> plans_;
   std::function<void(const BlockTapeView&)> observer_;
+  std::shared_ptr<Approx> approx_;
 };
 
 /// A 64-bit signature of a block call's tape and candidates: op kinds, flags, data flow, sizes and the candidate

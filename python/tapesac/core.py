@@ -38,26 +38,30 @@ _thread_state = threading.local()
 
 
 APPROX_METHODS = ("sketch", "greedy")
-APPROX_TARGETS = ("mlp",)
+APPROX_TARGETS = ("mlp", "attn")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Approx:
-    """Approximate rematerialization of linear layers: replay recomputes only a fraction of each gated MLP's hidden
-    units (README, "Approximate rematerialization"). The forward and the loss are exact; gradients are estimates.
+    """Approximate rematerialization of linear layers: replay recomputes only a fraction of the units (MLP hidden units,
+    attention heads) of each matched component (README, "Approximate rematerialization"). The forward and the loss
+    are exact; gradients are estimates.
 
-    fraction: share of the hidden units recomputed, in (0, 1]. 1 is exact (bitwise equal to exact replay).
+    fraction: share of the units recomputed, in (0, 1] (per component round(fraction * units), at least 1). 1 is
+        exact (bitwise equal to exact replay).
     method: "sketch" samples units with probabilities proportional to importance and reweights them by 1/p (an
         unbiased gradient estimate); "greedy" recomputes the most important units (biased, lower variance).
-    targets: the components approximated: ("mlp",) — gated MLPs (SwiGLU/GeGLU: HF Llama, Qwen3, Mistral, ...).
-        Attention heads ("attn") are not implemented yet.
+    targets: the components approximated: "mlp" — gated MLPs, per hidden unit (SwiGLU/GeGLU: HF Llama, Qwen3, ...);
+        "attn" — attention, per query head (q/k/v projections and the CPU flash SDPA kernel; grouped-query attention
+        included). Values after an approximated attention that replay would rebuild from its output (the residual
+        stream, saved by the next norm) are kept instead. Other patterns are replayed exactly.
     seed: seed of the sketch's sampling (a private generator; torch's generators are never touched). Each step and
         each block call draws independently.
     """
 
     fraction: float = 2 / 3
     method: str = "sketch"
-    targets: tuple[str, ...] = ("mlp",)
+    targets: tuple[str, ...] = ("mlp", "attn")
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,11 +75,6 @@ class Approx:
         if not isinstance(targets, (tuple, list)) or not targets or not all(isinstance(t, str) for t in targets):
             raise ConfigError(f"Approx(targets={self.targets!r}): expected a non-empty tuple of {list(APPROX_TARGETS)}")
         for t in targets:
-            if t == "attn":
-                raise ConfigError(
-                    "Approx(targets=...): 'attn' (per-head approximation of attention) is not implemented yet; use "
-                    "targets=('mlp',). Attention is replayed exactly."
-                )
             if t not in APPROX_TARGETS:
                 raise ConfigError(f"Approx(targets={self.targets!r}): unknown target {t!r}; expected {list(APPROX_TARGETS)}")
         object.__setattr__(self, "targets", tuple(dict.fromkeys(targets)))
@@ -108,7 +107,10 @@ class BlockStats(_Counts):
     largest measured working set of one replay; ``predicted_replay_bytes``: the largest predicted from the tape;
     ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``. With ``approx``:
     ``approx_mlp`` gated MLPs approximated (``approx_mlp_skipped``: found but replayed exactly, e.g. a value kept),
-    ``approx_units_total`` their hidden units and ``approx_units_recomputed`` how many replay recomputes."""
+    ``approx_units_total`` their hidden units and ``approx_units_recomputed`` how many replay recomputes; the same for
+    attention (``approx_attn``, ``approx_attn_skipped``, ``approx_heads_total``, ``approx_heads_recomputed``, and
+    ``approx_kv_heads_*`` for its key/value heads);
+    ``approx_kept_values``: dropped values kept because their replay would read an approximated output."""
 
     name: str
     replay_peak_bytes: int = 0
@@ -119,6 +121,13 @@ class BlockStats(_Counts):
     approx_mlp_skipped: int = 0
     approx_units_total: int = 0
     approx_units_recomputed: int = 0
+    approx_attn: int = 0
+    approx_attn_skipped: int = 0
+    approx_heads_total: int = 0
+    approx_heads_recomputed: int = 0
+    approx_kv_heads_total: int = 0
+    approx_kv_heads_recomputed: int = 0
+    approx_kept_values: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,12 @@ class StepStats(_Counts):
     approx_mlp: int = 0
     approx_units_total: int = 0
     approx_units_recomputed: int = 0
+    approx_attn: int = 0
+    approx_heads_total: int = 0
+    approx_heads_recomputed: int = 0
+    approx_kv_heads_total: int = 0
+    approx_kv_heads_recomputed: int = 0
+    approx_kept_values: int = 0
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -297,8 +312,9 @@ class TapeSAC:
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
         log: a path: one JSON line per step (the step's statistics and memory) is appended to it.
-        approx: a ``tapesac.Approx``: replay recomputes only a fraction of each gated MLP's hidden units (greedy, or
-            an unbiased sketch); the loss stays exact, gradients become estimates. None (default): exact replay.
+        approx: a ``tapesac.Approx``: replay recomputes only a fraction of each gated MLP's hidden units and/or each
+            attention's heads (greedy, or an unbiased sketch); the loss stays exact, gradients become estimates.
+            None (default): exact replay.
     """
 
     def __init__(
@@ -357,7 +373,7 @@ class TapeSAC:
         self._approx = approx
         if approx is not None:
             self._session.set_approx(float(approx.fraction), approx.method, mlp="mlp" in approx.targets,
-                                     seed=approx.seed)
+                                     attn="attn" in approx.targets, seed=approx.seed)
         self._planner = None
         self._limit = limit or 0
         self._model_error = 0
@@ -572,6 +588,13 @@ class TapeSAC:
                 approx_mlp_skipped=b["approx_mlp_skipped"],
                 approx_units_total=b["approx_units_total"],
                 approx_units_recomputed=b["approx_units_recomputed"],
+                approx_attn=b["approx_attn"],
+                approx_attn_skipped=b["approx_attn_skipped"],
+                approx_heads_total=b["approx_heads_total"],
+                approx_heads_recomputed=b["approx_heads_recomputed"],
+                approx_kv_heads_total=b["approx_kv_heads_total"],
+                approx_kv_heads_recomputed=b["approx_kv_heads_recomputed"],
+                approx_kept_values=b["approx_kept_values"],
             )
             for b in raw
         )
@@ -598,6 +621,12 @@ class TapeSAC:
             approx_mlp=sum(b.approx_mlp for b in blocks),
             approx_units_total=sum(b.approx_units_total for b in blocks),
             approx_units_recomputed=sum(b.approx_units_recomputed for b in blocks),
+            approx_attn=sum(b.approx_attn for b in blocks),
+            approx_heads_total=sum(b.approx_heads_total for b in blocks),
+            approx_heads_recomputed=sum(b.approx_heads_recomputed for b in blocks),
+            approx_kv_heads_total=sum(b.approx_kv_heads_total for b in blocks),
+            approx_kv_heads_recomputed=sum(b.approx_kv_heads_recomputed for b in blocks),
+            approx_kept_values=sum(b.approx_kept_values for b in blocks),
         )
 
     def _warn_unmatched(self) -> None:

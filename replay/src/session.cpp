@@ -301,10 +301,18 @@ void BlockCall::close_forward() {
 
   if (session_ != nullptr && session_->approx() != nullptr) {
     // Before the drop: importance is measured on the tensors the forward saved.
+    std::vector<ValueId> keep;
     try {
-      approx_ = session_->approx()->prepare(tape, decision, tensor_of, st.approx);
+      approx_ = session_->approx()->prepare(
+          ApproxInput{tape, recorder_.payloads(), decision, tensor_of, state_of_value}, keep, st.approx);
     } catch (...) {
       approx_.reset();  // an optimisation only: on failure (out of memory) this call replays exactly
+      keep.clear();
+    }
+    for (ValueId v : keep) {  // their replay would read an approximated component's output
+      decision[static_cast<size_t>(v)] = 1;
+      available_[static_cast<size_t>(v)] = 1;
+      live_[static_cast<size_t>(v)] = *tensor_of[static_cast<size_t>(v)];
     }
   }
 

@@ -8,6 +8,7 @@ checks that its validation loss equals exact's.
 What it records per run: validation perplexity on persuasion.txt (held out, tapesac.data.AustenData), the train loss
 curve (every 10 steps), median step time, units recomputed (telemetry); per configuration once: the recompute FLOPs
 of one step's backward (FlopCounterMode; backward with tapesac minus the same backward without checkpointing).
+The recompute FLOPs count matmuls (FlopCounterMode) and the CPU flash SDPA kernel (4*b*h*s*t*d, registered here).
 Output: --out JSON, rewritten after every run (a partial study survives an interruption), and a table on stdout.
 
   python perf/approx_study.py --steps 300 --seeds 0 1 2 --out perf/results/2026-11-29_approx_study_cpu.json
@@ -77,6 +78,12 @@ def validate(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
     return sum(losses) / len(losses)
 
 
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """The CPU flash SDPA kernel (no formula in FlopCounterMode): QK^T and PV, 2*b*h*s*t*d FLOPs each."""
+    b, h, s, d = query_shape
+    return 4 * b * h * s * key_shape[2] * d
+
+
 def recompute_flops(args: argparse.Namespace, cfg: dict, batch: torch.Tensor) -> dict:
     """FLOPs of one backward with tapesac minus the same backward without checkpointing (same weights, batch)."""
 
@@ -86,7 +93,8 @@ def recompute_flops(args: argparse.Namespace, cfg: dict, batch: torch.Tensor) ->
             ctx.__enter__()
         try:
             loss = model(input_ids=batch, labels=batch).loss
-            with FlopCounterMode(display=False) as fc:
+            mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
+            with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
                 loss.backward()
         finally:
             if ctx is not None:
@@ -101,8 +109,10 @@ def recompute_flops(args: argparse.Namespace, cfg: dict, batch: torch.Tensor) ->
     with_sac, per_op = backward_flops(model, sac)
     st = sac.last_step
     sac.close()
-    return dict(recompute_flops=with_sac - plain, backward_flops_no_checkpoint=plain,
-                units_recomputed=st.approx_units_recomputed, units_total=st.approx_units_total)
+    return dict(recompute_flops=with_sac - plain, backward_flops_no_checkpoint=plain, recompute_flops_by_op=per_op,
+                units_recomputed=st.approx_units_recomputed, units_total=st.approx_units_total,
+                heads_recomputed=st.approx_heads_recomputed, heads_total=st.approx_heads_total,
+                kept_bytes=st.kept_bytes, dropped_bytes=st.dropped_bytes)
 
 
 def train(args: argparse.Namespace, cfg: dict, seed: int) -> dict:
@@ -136,7 +146,8 @@ def train(args: argparse.Namespace, cfg: dict, seed: int) -> dict:
     return dict(seed=seed, val_loss=val_loss, val_ppl=math.exp(val_loss), train_curve=curve,
                 median_step_ms=1e3 * statistics.median(times[min(5, len(times) - 1):]), wall_s=wall,
                 units_recomputed=st.approx_units_recomputed, units_total=st.approx_units_total,
-                kept_bytes=st.kept_bytes, dropped_bytes=st.dropped_bytes, ops_replayed=st.ops_replayed)
+                heads_recomputed=st.approx_heads_recomputed, heads_total=st.approx_heads_total,
+                peak_bytes=st.memory.peak_bytes if st.memory else 0, kept_bytes=st.kept_bytes, dropped_bytes=st.dropped_bytes, ops_replayed=st.ops_replayed)
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -156,6 +167,8 @@ def summarize(results: list[dict]) -> list[dict]:
             median_step_ms=statistics.median(r["median_step_ms"] for r in runs),
             recompute_flops=runs[0].get("recompute_flops"),
             units=f"{runs[0]['units_recomputed']}/{runs[0]['units_total']}",
+            heads=f"{runs[0]['heads_recomputed']}/{runs[0]['heads_total']}",
+            kept_bytes=runs[0]["kept_bytes"], peak_bytes=statistics.median(r["peak_bytes"] for r in runs),
         ))
     exact_flops = next((r["recompute_flops"] for r in rows if r["config"] == "exact"), None)
     for r in rows:
@@ -165,13 +178,13 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'config':<22}{'val ppl':>16}{'Δ vs exact %':>20}{'recompute GFLOP':>17}{'× exact':>9}"
-             f"{'step ms':>9}{'units':>11}"]
+             f"{'step ms':>9}{'units':>11}{'heads':>7}{'kept MiB':>9}"]
     for r in rows:
         d = "" if r["delta_pct_mean"] is None else f"{r['delta_pct_mean']:+.2f} ± {r['delta_pct_std']:.2f}"
         fl = "" if r["recompute_flops"] is None else f"{r['recompute_flops'] / 1e9:.3f}"
         ratio = "" if r["recompute_flops_vs_exact"] is None else f"{r['recompute_flops_vs_exact']:.3f}"
         lines.append(f"{r['config']:<22}{r['val_ppl_mean']:>9.3f} ± {r['val_ppl_std']:.3f}{d:>20}{fl:>17}{ratio:>9}"
-                     f"{r['median_step_ms']:>9.1f}{r['units']:>11}")
+                     f"{r['median_step_ms']:>9.1f}{r['units']:>11}{r['heads']:>7}{r['kept_bytes'] / 2**20:>9.2f}")
     return "\n".join(lines)
 
 
@@ -226,10 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         for c in cfgs:
             r = train(args, c, seed)
             r.update(config=c["name"], approx=c["approx"], **{k: v for k, v in flops[c["name"]].items()
-                                                               if k not in ("units_recomputed", "units_total")})
+                                                               if k not in ("units_recomputed", "units_total",
+                                                                            "heads_recomputed", "heads_total",
+                                                                            "kept_bytes", "dropped_bytes")})
             results.append(r)
             print(f"[{time.perf_counter() - t_start:7.0f}s] seed {seed} {c['name']:<22} val ppl {r['val_ppl']:.3f} "
-                  f"step {r['median_step_ms']:.1f} ms units {r['units_recomputed']}/{r['units_total']}", flush=True)
+                  f"step {r['median_step_ms']:.1f} ms units {r['units_recomputed']}/{r['units_total']} heads "
+                  f"{r['heads_recomputed']}/{r['heads_total']}", flush=True)
             if args.out is not None:
                 rows = summarize(results)
                 args.out.parent.mkdir(parents=True, exist_ok=True)

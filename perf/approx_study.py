@@ -123,13 +123,18 @@ def train(args: argparse.Namespace, cfg: dict, seed: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     sac = make_sac(model, cfg, seed)
+    # --exact-warmup N: the first N steps replay exactly (a second TapeSAC without approx), then approx.
+    warm = make_sac(model, dict(approx=None), seed) if args.exact_warmup and cfg["approx"] is not None else None
     times, curve = [], []
     it = iter(data)
     start = time.perf_counter()
     for step in range(args.steps):
         batch = next(it)
         t0 = time.perf_counter()
-        with sac.step():
+        if warm is not None and step == args.exact_warmup:
+            warm.close()
+            warm = None
+        with (warm or sac).step():
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -147,7 +152,8 @@ def train(args: argparse.Namespace, cfg: dict, seed: int) -> dict:
                 median_step_ms=1e3 * statistics.median(times[min(5, len(times) - 1):]), wall_s=wall,
                 units_recomputed=st.approx_units_recomputed, units_total=st.approx_units_total,
                 heads_recomputed=st.approx_heads_recomputed, heads_total=st.approx_heads_total,
-                peak_bytes=st.memory.peak_bytes if st.memory else 0, kept_bytes=st.kept_bytes, dropped_bytes=st.dropped_bytes, ops_replayed=st.ops_replayed)
+                peak_bytes=st.memory.peak_bytes if st.memory else 0, kept_bytes=st.kept_bytes,
+                dropped_bytes=st.dropped_bytes, ops_replayed=st.ops_replayed)
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -215,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--exact-warmup", type=int, default=0,
+                   help="approximate configurations replay exactly for their first N steps (then approx)")
     p.add_argument("--only", nargs="*", default=None, help="run only the configurations with these names")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="3 steps, seed 0, exact and one approx configuration")

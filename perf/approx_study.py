@@ -2,7 +2,7 @@
 
 What it runs: for every seed, one training run per configuration — exact replay (policy "full"), and
 tapesac.Approx(fraction, method, targets) for each target set x fraction x method — same initial weights, same batches
-(the seed fixes both), AdamW, a fixed number of steps. fraction=1 runs once (sketch, every target): at fraction 1 the
+(the seed fixes both), AdamW with a linear warm-up and a cosine decay to 0 (--schedule), a fixed number of steps. fraction=1 runs once (sketch, every target): at fraction 1 the
 approximate path is not taken at all (approx.h), so every method and target gives the exact run, bitwise; the study
 checks that its validation loss equals exact's.
 What it records per run: validation perplexity on persuasion.txt (held out, tapesac.data.AustenData), the train loss
@@ -121,7 +121,16 @@ def train(args: argparse.Namespace, cfg: dict, seed: int) -> dict:
     data = AustenData(seq_len=args.seq, batch_size=args.batch, seed=seed)
     val = data.val_batches(args.val_batches)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    def lr_at(s: int) -> float:
+        if s < args.warmup:
+            return (s + 1) / args.warmup
+        if args.schedule == "constant":
+            return 1.0
+        # Cosine to 0 at the last step: the final weights sit at the end of a decay, not at a random point of a noisy
+        # trajectory, so that validation perplexity compares across configurations.
+        return 0.5 * (1 + math.cos(math.pi * (s - args.warmup) / max(1, args.steps - args.warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     sac = make_sac(model, cfg, seed)
     # --exact-warmup N: the first N steps replay exactly (a second TapeSAC without approx), then approx.
     warm = make_sac(model, dict(approx=None), seed) if args.exact_warmup and cfg["approx"] is not None else None
@@ -219,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                   help="learning rate after the linear warm-up: cosine decay to 0 at the last step, or constant")
     p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--exact-warmup", type=int, default=0,

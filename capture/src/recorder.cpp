@@ -123,6 +123,7 @@ void Recorder::clear() noexcept {
   tape_ = Tape();
   payloads_.clear();
   live_.clear();
+  origins_.clear();
 }
 
 std::unique_ptr<at::ObserverContext> Recorder::on_enter(const at::RecordFunction& fn) {
@@ -221,6 +222,10 @@ ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
   const ValueId v = tape_.add_external_value(s, meta_of(t));
   if (live_.size() <= static_cast<size_t>(v)) live_.resize(static_cast<size_t>(v) + 1);
   live_[static_cast<size_t>(v)] = detached_alias(t);
+  if (origins_.size() <= static_cast<size_t>(v)) {
+    origins_.resize(static_cast<size_t>(v) + 1, c10::weak_intrusive_ptr<c10::TensorImpl>(c10::intrusive_ptr<c10::TensorImpl>()));
+  }
+  origins_[static_cast<size_t>(v)] = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
   if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
     impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
   }

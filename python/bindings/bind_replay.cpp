@@ -79,13 +79,21 @@ py::dict memory_to_dict(const replay::StepMemoryStats& m) {
   return d;
 }
 
+replay::PreserveMode parse_preserve(const std::string& mode) {
+  if (mode == "off") return replay::PreserveMode::kOff;
+  if (mode == "regions") return replay::PreserveMode::kRegions;
+  if (mode == "snapshots") return replay::PreserveMode::kSnapshots;
+  TAPESAC_CHECK(false, kConfig, "unknown preservation '", mode, "'; expected 'off', 'regions' or 'snapshots'");
+  return replay::PreserveMode::kOff;
+}
+
 }  // namespace
 
 void bind_replay(py::module_& m) {
   py::class_<Session>(m, "Session")
       .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
                        bool check_bytes, int64_t memory_limit, size_t timeline_points, py::object arena_pool,
-                       int arena_device) {
+                       int arena_device, const std::string& preserve) {
              SessionOptions o;
              if (policy == "none") {
                o.policy = PolicyKind::kNone;
@@ -110,6 +118,7 @@ void bind_replay(py::module_& m) {
              TAPESAC_CHECK(memory_limit >= 0, kConfig, "memory_limit must be >= 0 bytes (0: none), got ", memory_limit);
              o.memory_limit = memory_limit;
              o.timeline_points = timeline_points;
+             o.preserve = parse_preserve(preserve);
              if (!arena_pool.is_none()) {
                o.arena_pool_id = arena_pool.cast<std::pair<uint64_t, uint64_t>>();
                o.arena_device = arena_device;
@@ -118,7 +127,8 @@ void bind_replay(py::module_& m) {
            }),
            py::arg("policy"), py::arg("save_op") = py::none(), py::arg("check_versions") = true,
            py::arg("check_metadata") = true, py::arg("check_bytes") = false, py::arg("memory_limit") = 0,
-           py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0)
+           py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0,
+           py::arg("preserve") = "regions")
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
       .def(
           "set_approx",
@@ -187,7 +197,53 @@ void bind_replay(py::module_& m) {
              for (const auto& b : s.last_stats()) out.append(stats_to_dict(b));
              return out;
            })
-      .def("last_replayed_by_name", [](const Session& s) { return s.last_replayed_by_name(); });
+      .def("last_replayed_by_name", [](const Session& s) { return s.last_replayed_by_name(); })
+      .def("last_records",
+           [](const Session& s) {
+             py::list out;
+             for (const auto& r : s.last_records()) {
+               py::dict d;
+               d["block"] = r.block;
+               d["value"] = r.value;
+               d["op"] = r.op;
+               d["status"] = r.status;
+               d["bytes"] = r.bytes;
+               d["time_ns"] = r.ns;
+               d["replay"] = r.replay;
+               d["detail"] = r.detail;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("last_preserved",
+           [](const Session& s) {
+             py::list out;
+             for (const auto& p : s.last_preserved()) {
+               py::dict d;
+               d["storage"] = reinterpret_cast<uintptr_t>(p.key);
+               d["mode"] = replay::preserve_mode_name(p.mode);
+               d["nbytes"] = p.nbytes;
+               d["writes"] = p.writes;
+               d["held_bytes"] = p.held_bytes;
+               d["save_ns"] = p.save_ns;
+               d["restores"] = p.restores;
+               d["restore_ns"] = p.restore_ns;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "set_preservation",
+          [](Session& s, const std::unordered_map<uintptr_t, std::string>& modes, const std::vector<uintptr_t>& keep) {
+            std::unordered_map<const void*, replay::PreserveMode> m;
+            for (const auto& [key, mode] : modes) m[reinterpret_cast<const void*>(key)] = parse_preserve(mode);
+            std::unordered_set<const void*> k;
+            for (uintptr_t key : keep) k.insert(reinterpret_cast<const void*>(key));
+            s.set_preservation(std::move(m), std::move(k));
+          },
+          py::arg("modes"), py::arg("keep"),
+          "Per storage (keys from last_preserved): 'regions'/'snapshots', and the storages whose dependents are "
+          "kept instead.");
 }
 
 }  // namespace tapesac::python

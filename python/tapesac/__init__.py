@@ -11,6 +11,7 @@ from . import _C  # noqa: E402
 from .core import Approx, BlockStats, StepStats, TapeSAC, record_ops
 from .memory import MemoryMeter, MemoryStats, parse_memory_limit
 from .report import StepReport
+from .validate import ValidationReport, validate
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,8 @@ __all__ = [
     "MemoryStats",
     "parse_memory_limit",
     "record_ops",
+    "validate",
+    "ValidationReport",
     "TapeSACError",
     "ConfigError",
     "MemoryLimitError",

@@ -24,13 +24,16 @@ from torch import nn
 
 from . import _C
 from .errors import ConfigError, TapeSACError
+from . import preserve as _preserve
 from .memory import MemoryStats, parse_memory_limit
+from .preserve import PRESERVE_MODES
 
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
 POLICIES = ("none", "full", "auto")
 BACKENDS = ("auto", "eager")
 CONTRACTS = ("check", "strict", "off")
+MAX_PRESERVE_CHOICES = 1024
 HISTORY_STEPS = 1000
 RECALIBRATIONS = 1
 
@@ -150,6 +153,10 @@ class StepStats(_Counts):
     approx_kv_heads_total: int = 0
     approx_kv_heads_recomputed: int = 0
     approx_kept_values: int = 0
+    # Storages written in place after a block read them (see TapeSAC(preserve=...)): mode, bytes, writes, held
+    # bytes, save/restore time; and the replay records' counts by status ("match", "recovered", ...).
+    preserved: tuple[dict[str, Any], ...] = ()
+    record_counts: dict[str, int] = field(default_factory=dict)
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -312,6 +319,14 @@ class TapeSAC:
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
         log: a path: one JSON line per step (the step's statistics and memory) is appended to it.
+        preserve: how a replay sees a tensor that the step wrote in place after the block's forward read it (a
+            memory bank, a queue, a modified input): ``"regions"`` saves the overwritten regions just before each
+            write, ``"snapshots"`` copies the whole tensor at its first write, ``"keep"`` keeps the activations whose
+            replay reads it (from the second step; the first uses regions), ``"auto"`` (default) chooses per tensor
+            from the measured costs of the previous step, ``"off"`` rejects such replays with ReplayContractError.
+            Writes must happen on the step's thread; others are detected by version counters and rejected.
+        records: a path: one JSON line per replayed value (block, value, op, status match / recovered / rejected /
+            divergent, bytes, time) is appended to it; ``last_records`` holds the last step's.
         approx: a ``tapesac.Approx``: replay recomputes only a fraction of each gated MLP's hidden units and/or each
             attention's heads (greedy, or an unbiased sketch); the loss stays exact, gradients become estimates.
             None (default): exact replay.
@@ -328,6 +343,8 @@ class TapeSAC:
         contract: str = "check",
         approx: Approx | None = None,
         log: Any = None,
+        preserve: str = "auto",
+        records: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"TapeSAC expects the model as a torch.nn.Module, got {type(model).__name__}")
@@ -342,6 +359,11 @@ class TapeSAC:
             raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
         if contract not in CONTRACTS:
             raise ConfigError(f"contract={contract!r} is not supported; expected one of {list(CONTRACTS)}")
+        if preserve not in PRESERVE_MODES:
+            raise ConfigError(f"preserve={preserve!r} is not supported; expected one of {list(PRESERVE_MODES)}")
+        if records is not None and not isinstance(records, (str, os.PathLike)):
+            raise ConfigError(f"records must be a file path (str or os.PathLike) for the JSON-lines execution "
+                              f"records, got {type(records).__name__}")
         if approx is not None and not isinstance(approx, Approx):
             raise ConfigError(f"approx must be a tapesac.Approx(fraction=..., method=..., targets=...) or None, got "
                               f"{type(approx).__name__}")
@@ -369,7 +391,16 @@ class TapeSAC:
             arena = tuple(int(i) for i in self._arena_pool.id)
         self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
                                    memory_limit=limit or 0, arena_pool=arena,
-                                   arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0)
+                                   arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0,
+                                   preserve="off" if preserve == "off" or not check else
+                                   "snapshots" if preserve == "snapshots" else "regions")
+        self._preserve = preserve if check else "off"
+        self._preserve_choices: dict[int, str] = {}
+        self._preserve_trials: list[Any] = []
+        self._preserve_trying = "snapshots" if preserve == "snapshots" else "regions"
+        self._preserve_mode: str | None = None
+        self._records_path = Path(records) if records is not None else None
+        self._last_records: list[dict[str, Any]] = []
         self._approx = approx
         if approx is not None:
             self._session.set_approx(float(approx.fraction), approx.method, mlp="mlp" in approx.targets,
@@ -388,11 +419,14 @@ class TapeSAC:
                 )
             self._planner = _C.AutoPlanner(self._session)
         self._log_path = Path(log) if log is not None else None
-        if self._log_path is not None:
+        for what, path in (("log", self._log_path), ("records", self._records_path)):
+            if path is None:
+                continue
             try:
-                self._log_path.open("a").close()
+                path.open("a").close()
             except OSError as e:
-                raise ConfigError(f"log={str(log)!r} cannot be opened for appending ({e}); pass a writable file path")
+                raise ConfigError(f"{what}={str(path)!r} cannot be opened for appending ({e}); pass a writable file "
+                                  f"path")
         self._timeline: dict[str, Any] = {}
         self._steps = 0
         self._last: StepStats | None = None
@@ -460,6 +494,11 @@ class TapeSAC:
             # The measuring step runs "full" without enforcing the limit, so that an infeasible limit is reported by
             # the planner with the smallest feasible one, rather than by the first replay that does not fit.
             self._session.set_memory_limit(0 if self._plan is None else self._limit)
+        elif self._limit:
+            # preserve="auto" trying its modes: measured without enforcing the limit (like the planner's measuring
+            # step), so that a mode over the limit is measured and not chosen rather than failing the step.
+            exploring = self._preserve == "auto" and self._preserve_mode is None and bool(self._preserve_choices)
+            self._session.set_memory_limit(0 if exploring else self._limit)
         self._session.begin_step(params)
         _thread_state.active = self
         handles = []
@@ -480,8 +519,74 @@ class TapeSAC:
             self._history.append(self._last)
             self._warn_unmatched()
             self._write_log(self._last)
+            self._write_records()
         # Only after a step that finished: plan (policy "auto") from what it measured.
         self._replan_if_needed(self._last)
+        self._choose_preservation(self._last)
+
+    def _choose_preservation(self, st: StepStats) -> None:
+        """preserve="auto"/"keep": after a step, the storages it wrote after a block read them get their mode for the
+        next steps. "keep" keeps their dependents. "auto" measures: the steps after the first such write run
+        "regions", "snapshots" and "keep" in turn, then the best by tapesac.preserve.pick stays (and applies to
+        storages found later). Choices persist: a storage whose dependents are kept is no longer read by replays,
+        so it no longer shows up as written."""
+        if self._preserve not in ("auto", "keep"):
+            return
+        written = [int(p["storage"]) for p in st.preserved]
+        if self._preserve == "keep":
+            mode = "keep"
+        elif self._preserve_mode is not None:
+            mode = self._preserve_mode
+        elif not self._preserve_choices and not written:
+            return  # nothing written yet
+        else:
+            if self._preserve_choices or written:
+                tried = self._preserve_trying
+                cost = st.replay_ms + sum(p["save_ns"] + p["restore_ns"] for p in st.preserved) / 1e6
+                peak = st.memory.peak_bytes if st.memory else 0
+                self._preserve_trials.append(_preserve.Trial(tried, peak, cost))
+            untried = [m for m in _preserve.EXPLORED if m not in {t.mode for t in self._preserve_trials}]
+            if untried:
+                mode = self._preserve_trying = untried[0]
+            else:
+                mode = self._preserve_mode = _preserve.pick(self._preserve_trials, self._limit or None)
+        new = {k: mode for k in written}
+        new.update({k: mode for k in self._preserve_choices})
+        if new == self._preserve_choices:
+            return
+        if len(new) > MAX_PRESERVE_CHOICES:
+            new = {k: mode for k in written}
+        self._preserve_choices = new
+        modes = {k: m for k, m in new.items() if m != "keep"}
+        keep = [k for k, m in new.items() if m == "keep"]
+        self._session.set_preservation(modes, keep)
+
+    @property
+    def preservation_trials(self) -> list[Any]:
+        """preserve="auto": the measured trials (mode, peak, cost) the choice was made from."""
+        return list(self._preserve_trials)
+
+    def _write_records(self) -> None:
+        self._last_records = list(self._session.last_records())
+        if self._records_path is None or not self._last_records:
+            return
+        try:
+            with self._records_path.open("a") as f:
+                for r in self._last_records:
+                    f.write(json.dumps({"step": self._steps, **r}, sort_keys=True) + "\n")
+        except OSError as e:  # runs in the step's `finally`: never mask the step's own exception
+            warnings.warn(f"tapesac: cannot append records to {str(self._records_path)!r}: {e}", stacklevel=3)
+
+    @property
+    def last_records(self) -> list[dict[str, Any]]:
+        """Execution records of the last step: one per replayed value (block, value, op, status, bytes, time_ns,
+        detail), including the one a rejected or divergent replay was for."""
+        return list(self._last_records)
+
+    @property
+    def preservation(self) -> dict[int, str]:
+        """preserve="auto"/"keep": the mode chosen per written storage (keys are storage identities)."""
+        return dict(self._preserve_choices)
 
     def _replan_if_needed(self, st: StepStats) -> None:
         """Policy "auto": plans after the first step (which ran "full" while measuring), and again whenever a block
@@ -627,6 +732,8 @@ class TapeSAC:
             approx_kv_heads_total=sum(b.approx_kv_heads_total for b in blocks),
             approx_kv_heads_recomputed=sum(b.approx_kv_heads_recomputed for b in blocks),
             approx_kept_values=sum(b.approx_kept_values for b in blocks),
+            preserved=tuple(dict(p) for p in self._session.last_preserved()),
+            record_counts=dict(collections.Counter(r["status"] for r in self._session.last_records())),
         )
 
     def _warn_unmatched(self) -> None:
@@ -705,6 +812,13 @@ class TapeSAC:
                               "policy='full' or 'none'")
         self._session.set_memory_limit(limit)
         self._limit = limit
+        if self._preserve_mode is not None and self._preserve_trials:
+            # preserve="auto": choose again from the measured trials under the new limit.
+            self._preserve_mode = _preserve.pick(self._preserve_trials, limit or None)
+            self._preserve_choices = {k: self._preserve_mode for k in self._preserve_choices}
+            modes = {k: m for k, m in self._preserve_choices.items() if m != "keep"}
+            keep = [k for k, m in self._preserve_choices.items() if m == "keep"]
+            self._session.set_preservation(modes, keep)
         if self._planner is not None and self._plan is not None:
             self._plan = None  # re-plan after the next step, under the new limit
             self._model_error = 0

@@ -64,6 +64,11 @@ void StepMemory::add_span(TimelineSpan span) {
   if (spans.size() < 100000) spans.push_back(std::move(span));
 }
 
+void StepMemory::add_record(ReplayRecord record) {
+  std::lock_guard<std::mutex> lock(spans_mu);
+  if (records.size() < 100000) records.push_back(std::move(record));
+}
+
 BlockCall::BlockCall(std::string name, const SessionOptions* options,
                      const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache,
                      size_t expected_ops, std::shared_ptr<StepMemory> memory, const Session* session)
@@ -75,11 +80,13 @@ BlockCall::BlockCall(std::string name, const SessionOptions* options,
       memory_(std::move(memory)),
       session_(session) {
   closed_stats_.name = name_;
+  if (session_ != nullptr) watcher_ = session_->watcher();
 }
 
 BlockCall::~BlockCall() { recorder_.stop(); }
 
 void BlockCall::start_forward() {
+  if (watcher_) watcher_->resume();
   if (memory_ && memory_->counter) {
     memory_->counter->set_phase(allocator::Phase::kForward);
     forward_begin_ns_ = memory_->counter->elapsed_ns();
@@ -127,6 +134,7 @@ int32_t BlockCall::pack(const at::Tensor& t) {
   TAPESAC_INTERNAL_ASSERT(!forward_closed_, "pack after the forward of block ", name_, " closed");
   Slot s;
   s.tensor = capture::detached_alias(t);
+  if (t.defined()) s.origin = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
   if (t.defined() && !t.is_inference()) {
     s.version = t.unsafeGetTensorImpl()->version_counter();
     s.saved_version = s.version.current_version();
@@ -213,6 +221,7 @@ void BlockCall::close_forward() {
   st.capture_error = recorder_.error();
   live_ = recorder_.take_live();
   live_.resize(tape.values().size());
+  origins_ = recorder_.take_origins();
   available_.assign(tape.values().size(), 0);
 
   // Values a replay could start from: externals (always), values the policy keeps, values that cannot be rebuilt.
@@ -238,13 +247,37 @@ void BlockCall::close_forward() {
     }
   }
   std::sort(decidable.begin(), decidable.end());
+  // Values whose rebuild would read a storage the preservation plan keeps dependents of (see
+  // Session::set_preservation): kept like the ones that cannot be rebuilt. Over-approximated by data flow.
+  std::vector<uint8_t> tainted;
+  if (session_ != nullptr && !session_->keep_dependents().empty()) {
+    const auto& keep_of = session_->keep_dependents();
+    tainted.assign(tape.values().size(), 0);
+    for (size_t v = 0; v < live_.size() && v < tainted.size(); ++v) {
+      if (live_[v].defined() && tape.value(static_cast<ValueId>(v)).producer == kExternal &&
+          keep_of.count(storage_key(live_[v]))) {
+        tainted[v] = 1;
+      }
+    }
+    for (const capture::OpRecord& op : tape.ops()) {
+      bool in = false;
+      for (const capture::ArgRef& a : op.inputs) in = in || tainted[static_cast<size_t>(a.value)];
+      if (!in) continue;
+      for (ValueId o : op.outputs) {
+        if (o >= 0) tainted[static_cast<size_t>(o)] = 1;
+      }
+    }
+  }
   // Values that cannot be rebuilt (non-replayable producers, reads of external state at an earlier state) must be
   // kept whatever the policy says. In tape order, each one found is made available at once, so that later values
   // can be rebuilt from it.
   std::vector<uint8_t> must_keep(decidable.size(), 0);
   for (size_t i = 0; i < decidable.size(); ++i) {
     const ValueId v = decidable[i];
-    if (prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_).ok) continue;
+    const bool preserved_by_keeping = !tainted.empty() && tainted[static_cast<size_t>(v)];
+    if (!preserved_by_keeping && prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_).ok) {
+      continue;
+    }
     must_keep[i] = 1;
     available_[static_cast<size_t>(v)] = 1;
   }
@@ -363,9 +396,11 @@ void BlockCall::close_forward() {
     if (!needed[v]) live_[v].reset();
   }
   live_versions_.assign(live_.size(), 0);
+  live_marks_.assign(live_.size(), 0);
   for (size_t v = 0; v < live_.size(); ++v) {
     if (live_[v].defined() && !live_[v].is_inference()) {
       live_versions_[v] = live_[v].unsafeGetTensorImpl()->version_counter().current_version();
+      if (watcher_ && options_->check_versions) live_marks_[v] = watcher_->watch(live_[v]);
     }
   }
   value_state_.clear();
@@ -412,30 +447,108 @@ uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates
 void BlockCall::check_version(const Slot& s, int32_t slot) const {
   if (!options_->check_versions || !s.version.enabled()) return;
   const uint32_t now = s.version.current_version();
-  TAPESAC_CHECK(now == s.saved_version, kReplayContract, "tapesac: tensor #", slot, " saved for backward in block '",
-                name_, "' was modified by an in-place operation after the forward (its version went from ",
-                s.saved_version, " to ", now,
-                "); its gradient would be wrong. Do not modify tensors the backward needs before calling backward "
-                "(use an out-of-place op, or .clone() before the in-place op).");
+  if (now == s.saved_version) return;
+  std::ostringstream msg;
+  msg << "tapesac: tensor #" << slot << " saved for backward in block '" << name_
+      << "' was modified by an in-place operation after the forward (its version went from " << s.saved_version
+      << " to " << now
+      << "); its gradient would be wrong. Do not modify tensors the backward needs before calling backward (use an "
+         "out-of-place op, or .clone() before the in-place op).";
+  record(s.value, "rejected", 0, 0, msg.str());
+  throw Error(ErrorKind::kReplayContract, msg.str());
 }
 
-void BlockCall::check_live_versions(const PruneResult& plan) const {
-  if (!options_->check_versions) return;
+std::unordered_map<ValueId, at::Tensor> BlockCall::resolve_live(
+    const PruneResult& plan, ValueId wanted, std::string* recovered,
+    std::vector<std::unique_ptr<WriteWatcher::Swap>>* swaps) {
+  std::unordered_map<ValueId, at::Tensor> subs;
+  std::unordered_set<const void*> swapped;  // storages whose regions are already swapped back for this replay
+  if (!options_->check_versions) return subs;
   const Tape& tape = recorder_.tape();
   for (capture::OpIndex i : plan.ops) {
     for (const capture::ArgRef& a : tape.op(i).inputs) {
       const auto v = static_cast<size_t>(a.value);
-      if (v >= live_.size() || !live_[v].defined() || live_[v].is_inference()) continue;
+      if (v >= live_.size() || !live_[v].defined() || live_[v].is_inference() || subs.count(a.value)) continue;
       if (classify_read(tape, available_, a.value, a.state, a.meta_only) != ReadSource::kLive) continue;
       const uint32_t now = live_[v].unsafeGetTensorImpl()->version_counter().current_version();
-      TAPESAC_CHECK(now == live_versions_[v], kReplayContract, "tapesac: replaying block '", name_,
-                    "' needs a tensor (", describe_tensor(live_[v]), ", input of op #", i, " ",
-                    capture::op_kind_name(tape.op(i).kind), ") that was modified in place after the block's forward ",
-                    "(version ", live_versions_[v], " -> ", now,
-                    "); replay would see different data than the forward did. Modify block inputs and parameters "
-                    "only after backward (e.g. optimizer.step() after loss.backward()).");
+      if (v < origins_.size()) {
+        std::string replaced = replaced_storage(origins_[v], live_[v]);
+        if (!replaced.empty() && recovered->find(replaced) == std::string::npos) {
+          if (!recovered->empty()) *recovered += "; ";
+          *recovered += "v" + std::to_string(a.value) + " (input of op #" + std::to_string(i) + " " +
+                        capture::op_kind_name(tape.op(i).kind) + "): " + replaced;
+        }
+      }
+      // Writes the watcher saw that bypassed the version counter (through `.data` or another detached alias).
+      const int64_t seen = watcher_ ? watcher_->writes_since(live_[v], live_marks_[v]) : 0;
+      if (now == live_versions_[v] && seen == 0) continue;
+      std::string why = "preserve=\"off\"";
+      if (swapped.count(storage_key(live_[v]))) continue;
+      if (watcher_ && now >= live_versions_[v]) {
+        WriteWatcher::Restored r = watcher_->restore(live_[v], live_marks_[v], now - live_versions_[v], &why);
+        if (r.copy.defined() || r.swap) {
+          if (!recovered->empty()) *recovered += "; ";
+          *recovered += "v" + std::to_string(a.value) + " (" + describe_tensor(live_[v]) + ", input of op #" +
+                        std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind) + ") written " +
+                        std::to_string(now - live_versions_[v]) + "x after the forward: rebuilt from " +
+                        preserve_mode_name(watcher_->mode());
+          if (r.swap) {
+            swapped.insert(storage_key(live_[v]));
+            swaps->push_back(std::move(r.swap));
+          } else {
+            subs.emplace(a.value, std::move(r.copy));
+          }
+          continue;
+        }
+      }
+      std::ostringstream msg;
+      msg << "tapesac: replaying block '" << name_ << "' needs a tensor (" << describe_tensor(live_[v])
+          << ", input of op #" << i << " " << capture::op_kind_name(tape.op(i).kind)
+          << ") that was modified in place after the block's forward (version " << live_versions_[v] << " -> "
+          << now << "), and it cannot be rebuilt as the forward saw it: " << why
+          << ". Modify block inputs, parameters and buffers only after backward (e.g. optimizer.step() after "
+             "loss.backward()), make the write on the step's thread with preserve=\"regions\" or "
+             "\"snapshots\" (the default \"auto\" includes them), or .clone() the tensor before the block reads it.";
+      record(wanted, "rejected", 0, 0, msg.str());
+      throw Error(ErrorKind::kReplayContract, msg.str());
     }
   }
+  return subs;
+}
+
+std::string BlockCall::replaced_storage(const c10::weak_intrusive_ptr<c10::TensorImpl>& origin,
+                                        const at::Tensor& held) {
+  if (!held.defined() || !held.has_storage()) return {};
+  c10::intrusive_ptr<c10::TensorImpl> now = origin.lock();
+  if (!now || !now->has_storage()) return {};
+  if (now->storage().unsafeGetStorageImpl() == held.storage().unsafeGetStorageImpl()) return {};
+  return "its tensor's storage was replaced after the forward (`.data = ...` or set_); tapesac served the bytes "
+         "the forward used (the gradient of the loss as computed), where a run without tapesac would mix in the "
+         "new data";
+}
+
+void BlockCall::record(ValueId v, const std::string& status, int64_t bytes, int64_t ns, std::string detail) const {
+  if (!memory_) return;
+  const Tape& tape = recorder_.tape();
+  ReplayRecord r;
+  r.block = name_;
+  r.value = v;
+  if (v >= 0 && static_cast<size_t>(v) < tape.values().size()) {
+    const capture::ValueInfo& info = tape.value(v);
+    const capture::StorageInfo& st = tape.storage(info.storage);
+    const auto it = value_state_.find(v);
+    const int32_t state = it != value_state_.end() ? it->second : info.state;
+    const capture::OpIndex p = (!st.external && state > 0 && static_cast<size_t>(state) <= st.writers.size())
+                                   ? st.writers[static_cast<size_t>(state) - 1]
+                                   : info.producer;
+    r.op = p >= 0 ? capture::op_kind_name(tape.op(p).kind) : std::string("external");
+  }
+  r.status = status;
+  r.bytes = bytes;
+  r.ns = ns;
+  r.replay = replays_;
+  r.detail = std::move(detail);
+  memory_->add_record(std::move(r));
 }
 
 std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan) {
@@ -488,10 +601,18 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   // The first unpack of the step marks the start of the backward on the memory timeline.
   if (memory_ && memory_->counter && memory_->counter->phase() == allocator::Phase::kForward) {
     memory_->counter->set_phase(allocator::Phase::kBackward);
+    if (watcher_) watcher_->pause();
   }
   check_version(s, slot);
   if (!s.dropped) {
     TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
+    if (!s.replaced_reported) {
+      std::string replaced = replaced_storage(s.origin, s.tensor);
+      if (!replaced.empty()) {
+        slots_[static_cast<size_t>(slot)].replaced_reported = true;
+        record(s.value, "recovered", 0, 0, "saved tensor #" + std::to_string(slot) + ": " + replaced);
+      }
+    }
     return s.tensor;
   }
   const ValueId v = s.value;
@@ -507,7 +628,10 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     }
     std::sort(targets.begin(), targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
     PruneResult plan = prune(recorder_.tape(), targets, available_);
-    check_live_versions(plan);
+    std::string recovered;
+    // Declared before the replay's tensors: the step's bytes are swapped back in only after the replay ends.
+    std::vector<std::unique_ptr<WriteWatcher::Swap>> swaps;
+    std::unordered_map<ValueId, at::Tensor> subs = resolve_live(plan, v, &recovered, &swaps);
     targets = limit_targets(std::move(targets), Read{v, value_state_.at(v)}, plan);
     allocator::MemoryCounter* counter = memory_ ? memory_->counter.get() : nullptr;
     PhaseScope phase(counter, allocator::Phase::kReplay);
@@ -517,7 +641,14 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     ReplaySource src;
     src.tape = &recorder_.tape();
     src.payloads = &recorder_.payloads();
-    src.live = &live_;
+    std::vector<at::Tensor> live_with_subs;
+    if (!subs.empty()) {
+      live_with_subs = live_;
+      for (auto& [value, tensor] : subs) live_with_subs[static_cast<size_t>(value)] = std::move(tensor);
+      src.live = &live_with_subs;
+    } else {
+      src.live = &live_;
+    }
     src.available = &available_;
     ReplayOptions opts;
     opts.check_metadata = options_->check_metadata;
@@ -528,9 +659,12 @@ at::Tensor BlockCall::unpack(int32_t slot) {
       arena_routing.emplace(options_->arena_device, options_->arena_pool_id.first, options_->arena_pool_id.second);
     }
 #endif
+    const int64_t ns_before = replay_stats_.ns;
     auto out = replay(src, targets, opts, &replay_stats_);
     if (approx_) approx_->finish(out);
-    ++replays_;
+    live_with_subs.clear();
+    swaps.clear();  // the step's bytes back in the storages the replay read
+    const int64_t replay_ns = replay_stats_.ns - ns_before;
     if (counter != nullptr) {
       const int64_t ws = counter->window_peak() - window_start;
       closed_stats_.replay_peak_bytes = std::max(closed_stats_.replay_peak_bytes, ws);
@@ -539,16 +673,26 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     }
     if (memory_) memory_->add_span(TimelineSpan{"replay", name_, begin_ns, elapsed_ns(*memory_)});
     for (auto& [value, tensor] : out) {
+      const int64_t nbytes = static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
       if (options_->check_bytes) {
         auto c = checksums_.find(value);
-        TAPESAC_CHECK(c == checksums_.end() || c->second == byte_checksum(tensor), kReplayContract,
-                      "tapesac: replay of block '", name_, "' diverged: the rebuilt tensor v", value, " (",
-                      describe_tensor(tensor), ") differs bytewise from the one the forward saved. A kernel in the "
-                      "block is not deterministic (enable torch.use_deterministic_algorithms(True)) or state it "
-                      "reads changed; keep its outputs with a policy set to avoid replaying it.");
+        if (c != checksums_.end() && c->second != byte_checksum(tensor)) {
+          std::ostringstream msg;
+          msg << "tapesac: replay of block '" << name_ << "' diverged: the rebuilt tensor v" << value << " ("
+              << describe_tensor(tensor)
+              << ") differs bytewise from the one the forward saved. A kernel in the block is not deterministic "
+                 "(enable torch.use_deterministic_algorithms(True)) or state it reads changed without a version "
+                 "bump (a .data write, a write through numpy); keep its outputs with a policy set to avoid "
+                 "replaying it.";
+          record(value, "divergent", nbytes, replay_ns, msg.str());
+          ++replays_;
+          throw Error(ErrorKind::kReplayContract, msg.str());
+        }
       }
+      record(value, recovered.empty() ? "match" : "recovered", nbytes, replay_ns, recovered);
       cache_.emplace(value, std::move(tensor));
     }
+    ++replays_;
     it = cache_.find(v);
     TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
   }
@@ -612,7 +756,18 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   memory_->baseline = baseline;
   counter_scope_.emplace(memory_->counter);
   if (approx_) approx_->begin_step();
+  if (options_.preserve != PreserveMode::kOff && options_.check_versions) {
+    watcher_ = std::make_shared<WriteWatcher>(options_.preserve, preserve_modes_);
+    watcher_->install();
+  }
   in_step_ = true;
+}
+
+void Session::set_preservation(std::unordered_map<const void*, PreserveMode> modes,
+                               std::unordered_set<const void*> keep) {
+  TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: preservation can only be chosen between steps");
+  preserve_modes_ = std::move(modes);
+  keep_dependents_ = std::move(keep);
 }
 
 void Session::set_plans(std::unordered_map<std::string, BlockPlan> plans) {
@@ -662,6 +817,8 @@ void Session::end_step() noexcept {
   if (!in_step_) return;
   last_stats_.clear();
   last_replayed_.clear();
+  last_records_.clear();
+  last_preserved_.clear();
   for (const auto& b : blocks_) {
     b->close_step();
     last_stats_.push_back(b->stats());
@@ -669,6 +826,15 @@ void Session::end_step() noexcept {
     for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;
   }
   blocks_.clear();
+  if (watcher_) {
+    try {
+      last_preserved_ = watcher_->stats();
+    } catch (...) {
+      last_preserved_.clear();
+    }
+    watcher_->end();
+    watcher_.reset();
+  }
   counter_scope_.reset();
   try {
     StepMemoryStats m;
@@ -684,6 +850,8 @@ void Session::end_step() noexcept {
       m.timeline = memory_->counter->timeline();
       std::lock_guard<std::mutex> lock(memory_->spans_mu);
       m.spans = memory_->spans;
+      last_records_ = std::move(memory_->records);
+      memory_->records.clear();
     }
     m.memory_limit = options_.memory_limit;
     last_memory_ = std::move(m);

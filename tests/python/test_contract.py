@@ -35,9 +35,9 @@ def _assert_step_exact(sac: tapesac.TapeSAC, blocks: nn.ModuleList, x: torch.Ten
     assert sac.last_step.dropped_tensors > 0 and sac.last_step.ops_replayed > 0
 
 
-def test_inplace_change_of_a_parameter_before_backward_is_rejected_under_check() -> None:
+def test_inplace_change_of_a_parameter_before_backward_is_rejected_without_preservation() -> None:
     blocks = _blocks()
-    sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="check")
+    sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="check", preserve="off")
     x = torch.randn(4, 16)
     with pytest.raises(tapesac.ReplayContractError, match="modified in place"):
         with sac.step():
@@ -49,21 +49,54 @@ def test_inplace_change_of_a_parameter_before_backward_is_rejected_under_check()
     _assert_step_exact(sac, blocks, x)
 
 
-def test_change_that_bypasses_version_counters_is_caught_only_by_strict() -> None:
+def test_inplace_change_of_a_parameter_before_backward_is_recovered_by_default() -> None:
+    """The same write with the default preservation: the watcher saved the weight's old bytes before the write, and
+    the replay sees the forward's weight — the gradients equal those of the forward as computed."""
     x = torch.randn(4, 16)
-    # .data writes do not bump the version counter: "check" cannot see them, the byte checksum can.
-    for contract, raises in (("check", False), ("strict", True)):
+    blocks = _blocks()
+    ref = copy.deepcopy(blocks)
+    _forward(ref, x).backward()
+    sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full")
+    with sac.step():
+        loss = _forward(blocks, x)
+        with torch.no_grad():
+            blocks[0][0].weight.add_(1.0)
+        loss.backward()
+    for a, b in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert sac.last_step.record_counts.get("recovered", 0) > 0
+    assert sac.last_step.preserved[0]["writes"] == 1
+
+
+def test_change_that_bypasses_version_counters() -> None:
+    """.data writes do not bump the version counter. The write watcher still sees them (they go through the
+    dispatcher), so by default they are recovered; without preservation "check" cannot see them and only the
+    strict contract's byte checksum does."""
+    x = torch.randn(4, 16)
+    ref = _blocks()
+    _forward(ref, x).backward()
+    for contract, preserve, outcome in (("check", "auto", "recovered"), ("strict", "auto", "recovered"),
+                                        ("check", "off", "silent"), ("strict", "off", "divergent")):
         blocks = _blocks()
-        sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract=contract)
+        sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract=contract, preserve=preserve)
         with sac.step():
             loss = _forward(blocks, x)
             blocks[0][0].weight.data.add_(1.0)
-            if raises:
+            if outcome == "divergent":
                 with pytest.raises(tapesac.ReplayContractError, match="diverged"):
                     loss.backward()
             else:
                 loss.backward()
         assert sac.last_step.ops_replayed > 0
+        statuses = {r["status"] for r in sac.last_records}
+        same = all(a.grad is not None and torch.equal(a.grad, b.grad)
+                   for a, b in zip(blocks.parameters(), ref.parameters()))
+        if outcome == "recovered":
+            assert same and "recovered" in statuses
+        elif outcome == "silent":
+            assert not same and statuses == {"match"}  # the documented limit of contract="check" alone
+        else:
+            assert "divergent" in statuses
 
 
 def test_strict_passes_and_is_exact_on_an_unchanged_model() -> None:

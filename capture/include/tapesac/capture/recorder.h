@@ -71,6 +71,8 @@ class Recorder {
   /// Hands over the live tensors by value id: defined for external values (detached aliases), undefined
   /// otherwise. The recorder holds none afterwards.
   std::vector<at::Tensor> take_live() { return std::move(live_); }
+  /// The tensors the external values were read from (weak: a later `.data` replacement shows as a storage change).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> take_origins() { return std::move(origins_); }
   /// Drops every strong reference, payload and tape entry (after the step).
   void clear() noexcept;
 
@@ -121,6 +123,7 @@ class Recorder {
   Tape tape_;
   std::vector<OpPayload> payloads_;
   std::vector<at::Tensor> live_;
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> origins_;
 
   PtrIndexMap impl_value_;  // TensorImpl -> its latest value
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs_;

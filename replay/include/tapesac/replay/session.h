@@ -26,6 +26,7 @@
 #include "tapesac/capture/recorder.h"
 #include "tapesac/replay/approx.h"
 #include "tapesac/replay/eager_replayer.h"
+#include "tapesac/replay/preserve.h"
 
 namespace tapesac::replay {
 
@@ -61,6 +62,9 @@ struct SessionOptions {
   bool check_metadata = true;
   /// Contract "strict": checksum every dropped tensor's bytes at forward and compare after replay.
   bool check_bytes = false;
+  /// How replays recover external tensors the step writes in place after a block's forward (see preserve.h);
+  /// kOff rejects such replays.
+  PreserveMode preserve = PreserveMode::kRegions;
   /// Step-peak limit in bytes enforced during replay (0: none): a replay that would not fit runs in pieces, and
   /// raises MemoryLimitError when even a piece cannot fit.
   int64_t memory_limit = 0;
@@ -80,6 +84,18 @@ struct TimelineSpan {
   int64_t end_ns = 0;
 };
 
+/// The execution record of one replayed value (contract outcome and cost).
+struct ReplayRecord {
+  std::string block;
+  int64_t value = -1;
+  std::string op;      // the op that produced the value's bytes
+  std::string status;  // "match", "recovered", "rejected" or "divergent"
+  int64_t bytes = 0;
+  int64_t ns = 0;      // duration of the replay that rebuilt it (shared by the values of one replay)
+  int64_t replay = 0;  // index of that replay within the block call
+  std::string detail;  // what was recovered, rejected or diverged
+};
+
 /// The memory side of one step: counted by the counting CPU allocator on the stepping thread (see
 /// allocator/telemetry.h); shared by the Session and its BlockCalls.
 struct StepMemory {
@@ -90,10 +106,12 @@ struct StepMemory {
   std::mutex spans_mu;
   std::vector<TimelineSpan> spans;
   int64_t replay_pieces = 0;
+  std::vector<ReplayRecord> records;  // guarded by spans_mu
 
   /// Bytes in use now as the limit sees them.
   int64_t in_use() const { return baseline + (counter ? counter->current() : 0); }
   void add_span(TimelineSpan span);
+  void add_record(ReplayRecord record);
 };
 
 /// A snapshot of StepMemory at step end.
@@ -182,14 +200,27 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
     uint32_t saved_version = 0;
     bool released = false;
     int64_t last_round = -1;  // the unpack round in which this slot was last unpacked
+    // The tensor autograd saved (weak): when its storage is replaced (`.data = ...`) after the forward, the slot
+    // still serves the forward's bytes, and the unpack says so in the records.
+    c10::weak_intrusive_ptr<c10::TensorImpl> origin{c10::intrusive_ptr<c10::TensorImpl>()};
+    bool replaced_reported = false;
   };
+  /// Why `current` (the tensor a value was read from) no longer shows the bytes `held` (what tapesac holds) had at
+  /// the forward, or "" when it still does.
+  static std::string replaced_storage(const c10::weak_intrusive_ptr<c10::TensorImpl>& origin, const at::Tensor& held);
 
   void release_all() noexcept;
 
   void resolve_pending(bool final);
   bool keep_by_policy(capture::ValueId v, int32_t state);
   void check_version(const Slot& s, int32_t slot) const;
-  void check_live_versions(const PruneResult& plan) const;
+  /// The contract on the live tensors `plan` reads: every one whose version moved since the forward is made to read
+  /// as the forward saw it by the write watcher — a snapshot view returned by value id, or regions swapped back
+  /// until `swaps` are destroyed; `recovered` says which — or the replay is rejected (ReplayContractError, with a
+  /// "rejected" record for `wanted`).
+  std::unordered_map<ValueId, at::Tensor> resolve_live(const PruneResult& plan, ValueId wanted, std::string* recovered,
+                                                       std::vector<std::unique_ptr<WriteWatcher::Swap>>* swaps);
+  void record(ValueId v, const std::string& status, int64_t bytes, int64_t ns, std::string detail) const;
   /// Applies the memory limit to a replay of `targets` (the remaining dropped values): returns the targets to
   /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when
   /// even `wanted` alone cannot fit.
@@ -215,6 +246,9 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   std::vector<uint8_t> available_;
   std::vector<at::Tensor> live_;
   std::vector<uint32_t> live_versions_;
+  std::vector<int64_t> live_marks_;
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> origins_;  // per live external value (Recorder)  // the write watcher's mark of each live tensor (see WriteWatcher::watch)
+  std::shared_ptr<WriteWatcher> watcher_;
   std::unordered_map<capture::ValueId, int32_t> value_state_;
   std::unordered_map<capture::ValueId, uint64_t> checksums_;
   // Dropped values: live handles, handles not yet unpacked in this round (a round is one backward over the
@@ -285,6 +319,15 @@ class Session {
   /// Approximate rematerialization for later steps (null: off). Between steps only.
   void set_approx(std::shared_ptr<Approx> approx);
   Approx* approx() const { return approx_.get(); }
+  /// Preservation chosen per storage (the keys of PreservedStorage): `modes` overrides the session's mode for a
+  /// storage, and the dropped values whose replay would read a storage in `keep` are kept instead. Between steps.
+  void set_preservation(std::unordered_map<const void*, PreserveMode> modes, std::unordered_set<const void*> keep);
+  const std::unordered_set<const void*>& keep_dependents() const { return keep_dependents_; }
+  std::shared_ptr<WriteWatcher> watcher() const { return watcher_; }
+  /// Storages written in place after a block read them during the last step, with what preserving them cost.
+  const std::vector<PreservedStorage>& last_preserved() const { return last_preserved_; }
+  /// Execution records of the last step's replays.
+  const std::vector<ReplayRecord>& last_records() const { return last_records_; }
   /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
   /// installed again by the next begin_step()). Never throws.
   void shutdown() noexcept;
@@ -308,6 +351,11 @@ class Session {
   std::unordered_map<std::string, BlockPlan> plans_;
   std::function<void(const BlockTapeView&)> observer_;
   std::shared_ptr<Approx> approx_;
+  std::shared_ptr<WriteWatcher> watcher_;
+  std::unordered_map<const void*, PreserveMode> preserve_modes_;
+  std::unordered_set<const void*> keep_dependents_;
+  std::vector<PreservedStorage> last_preserved_;
+  std::vector<ReplayRecord> last_records_;
 };
 
 /// A 64-bit signature of a block call's tape and candidates: op kinds, flags, data flow, sizes and the candidate

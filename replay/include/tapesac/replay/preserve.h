@@ -1,0 +1,140 @@
+// Preservation of external state that changes between a block's forward and its replay.
+//
+// A replay reads *live* tensors: block inputs, parameters, buffers and other tensors the block did not create. When
+// the step writes one of them in place after the block's forward (a memory bank updated in a few rows, a queue
+// rotated, an input modified), the replay would see different bytes than the forward did. The WriteWatcher sees
+// every top-level in-place op on the stepping thread while it is installed; for a storage some block's replay will
+// read (watch()), it saves, just before the write, what restore() needs to rebuild a private copy of the bytes the
+// forward saw:
+//   * kRegions: only the region the op overwrites (the written view; or the rows of index_put_/index_copy_/
+//     index_fill_/index_add_, the gathered entries of scatter_*, the masked entries of masked_fill_/masked_scatter_),
+//     undone in reverse order on a copy of the current bytes at replay;
+//   * kSnapshots: the whole storage, copied at its first write after a block read it.
+// The watcher sees writes while forwards run and between the forward and the backward (where a step updates a
+// bank or a queue); it pauses when the backward starts (seeing writes costs a boxed copy of every op's arguments) and
+// resumes when a block's forward starts again. The version counter guards completeness:
+// when a tensor's version moved by more than the writes the watcher saw (a write on another thread, or one that
+// bypassed the dispatcher), restore() refuses and the replay is rejected.
+//
+// Threads: install(), resume(), the writes it sees and end() happen on the stepping thread; watch() and restore() are
+// called under the owning BlockCall's lock, from the forward thread and the backward's threads — the watcher's own
+// mutex orders them.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
+
+namespace tapesac::replay {
+
+enum class PreserveMode : uint8_t {
+  kOff,        // no watcher: a changed input rejects the replay (ReplayContractError)
+  kRegions,    // save the overwritten regions' old bytes
+  kSnapshots,  // save the whole storage at its first write
+};
+
+const char* preserve_mode_name(PreserveMode m);
+
+/// Measured figures of one watched storage in one step (reported, and the planner's input for the choice).
+struct PreservedStorage {
+  PreserveMode mode = PreserveMode::kRegions;
+  const void* key = nullptr;  // the StorageImpl (identity within the process; stable across steps for a buffer)
+  int64_t nbytes = 0;         // storage size
+  int64_t writes = 0;         // writes seen after a block read it
+  int64_t held_bytes = 0;     // bytes saved to undo them (regions or snapshots), held until the step ends
+  int64_t save_ns = 0;        // time spent saving at the writes
+  int64_t restores = 0;       // private copies rebuilt for replays
+  int64_t restore_ns = 0;     // time spent rebuilding them
+};
+
+class WriteWatcher {
+ public:
+  struct Write;
+  /// `overrides`: the mode of particular storages (kRegions or kSnapshots), e.g. as the planner chose them.
+  explicit WriteWatcher(PreserveMode mode, std::unordered_map<const void*, PreserveMode> overrides = {});
+  ~WriteWatcher();
+  WriteWatcher(const WriteWatcher&) = delete;
+  WriteWatcher& operator=(const WriteWatcher&) = delete;
+
+  PreserveMode mode() const { return mode_; }
+  /// Starts seeing writes on this thread (a thread-local RecordFunction callback). Idempotent.
+  void install();
+  /// Stops seeing writes but keeps what was saved (called when the backward starts: seeing writes costs a boxed
+  /// copy of every op's arguments, and the backward's own ops write no watched tensor). Later writes are caught by
+  /// the version check only, and rejected. Any thread; never throws.
+  void pause() noexcept;
+  /// Sees writes again after pause() (a block's forward starts again within the step, e.g. gradient accumulation).
+  void resume();
+  /// Stops seeing writes and releases everything saved. Never throws.
+  void end() noexcept;
+
+  /// A replay will read `t`: from now on, writes to its storage are saved. Returns the mark to restore to (the
+  /// number of writes already seen on the storage).
+  int64_t watch(const at::Tensor& t);
+
+  /// While alive, the overwritten regions of one storage hold the bytes the forward saw (kRegions); destruction
+  /// puts the step's bytes back. Holds the watcher's swap lock (replays that swap are serialized).
+  class Swap {
+   public:
+    ~Swap();
+    Swap(const Swap&) = delete;
+    Swap& operator=(const Swap&) = delete;
+
+   private:
+    friend class WriteWatcher;
+    explicit Swap(std::recursive_mutex& mu) : lock_(mu) {}
+    std::unique_lock<std::recursive_mutex> lock_;
+    at::Tensor storage_;                // bytes of the storage (the real one)
+    std::vector<const Write*> writes_;  // oldest first
+    std::vector<at::Tensor> current_;   // the step's entries of each region, oldest first
+  };
+  struct Restored {
+    at::Tensor copy;              // kSnapshots: a tensor with t's view over the snapshot
+    std::unique_ptr<Swap> swap;   // kRegions: keep alive while the replay runs
+  };
+  /// Makes the bytes `t` had at `mark` available to a replay, when every version bump since (`version_delta`) is a
+  /// write the watcher saved: kSnapshots returns a view of the snapshot to read instead of `t`; kRegions swaps the
+  /// overwritten regions of t's storage back to their old bytes until the returned Swap is destroyed (the replay
+  /// reads `t` itself). Returns neither and sets `why` when it cannot.
+  Restored restore(const at::Tensor& t, int64_t mark, uint32_t version_delta, std::string* why);
+
+  /// Writes the watcher saved on t's storage since `mark` (also those that bypass version counters, e.g. through
+  /// `.data`).
+  int64_t writes_since(const at::Tensor& t, int64_t mark) const;
+
+  std::vector<PreservedStorage> stats() const;
+  int64_t held_bytes() const;
+
+ private:
+  struct Entry;
+  static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);
+  static void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx);
+  static at::Tensor take(const Write& w, const at::Tensor& region);
+  static void put(const Write& w, at::Tensor& region, const at::Tensor& values);
+  void attach();
+  void see(const at::RecordFunction& fn);
+  void save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg, const at::Tensor& target);
+
+  PreserveMode mode_;
+  std::unordered_map<const void*, PreserveMode> overrides_;
+  mutable std::mutex mu_;
+  std::recursive_mutex swap_mu_;
+  std::unordered_map<const void*, std::unique_ptr<Entry>> entries_;
+  std::unordered_map<const char*, std::vector<bool>> writes_by_name_;
+  at::CallbackHandle callback_ = 0;
+  std::thread::id owner_;
+  std::atomic<bool> paused_{false};
+  int depth_ = 0;
+  bool busy_ = false;
+};
+
+}  // namespace tapesac::replay

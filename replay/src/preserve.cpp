@@ -1,0 +1,389 @@
+// The write watcher (see preserve.h).
+#include "tapesac/replay/preserve.h"
+
+#include <chrono>
+#include <cstring>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "tapesac/capture/op_info.h"
+#include "tapesac/capture/recorder.h"
+#include "tapesac/capture/tape.h"
+
+namespace tapesac::replay {
+
+enum class RegionKind : uint8_t { kView, kIndexPut, kIndexDim, kScatter, kMasked };
+
+namespace {
+
+thread_local WriteWatcher* t_watcher = nullptr;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Runs tensor code for the watcher itself: below autograd (no graph, no version bumps on new tensors) and unseen by
+// every RecordFunction callback (the recorder must not record it, the watcher must not see itself).
+struct QuietScope {
+  at::RecordFunctionGuard no_callbacks{false};
+  c10::AutoGradMode no_grad{false};
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+};
+
+at::Tensor bytes_of_storage(const at::Tensor& t) {
+  const int64_t n = static_cast<int64_t>(t.storage().nbytes());
+  return at::empty({0}, t.options().dtype(at::kByte)).set_(t.storage(), 0, {n}, {1});
+}
+
+at::Tensor view_on(const at::Tensor& bytes, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides,
+                   at::ScalarType dtype) {
+  return at::empty({0}, bytes.options().dtype(dtype)).set_(bytes.storage(), offset, sizes, strides);
+}
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+RegionKind region_kind(const char* name, size_t arg) {
+  if (arg != 0) return RegionKind::kView;
+  static const std::pair<const char*, RegionKind> kinds[] = {
+      {"aten::index_put_", RegionKind::kIndexPut},  {"aten::_index_put_impl_", RegionKind::kIndexPut},
+      {"aten::index_copy_", RegionKind::kIndexDim}, {"aten::index_fill_", RegionKind::kIndexDim},
+      {"aten::index_add_", RegionKind::kIndexDim},  {"aten::index_reduce_", RegionKind::kIndexDim},
+      {"aten::scatter_", RegionKind::kScatter},     {"aten::scatter_add_", RegionKind::kScatter},
+      {"aten::scatter_reduce_", RegionKind::kScatter}, {"aten::masked_fill_", RegionKind::kMasked},
+      {"aten::masked_scatter_", RegionKind::kMasked},
+  };
+  for (const auto& [n, k] : kinds) {
+    if (std::strcmp(n, name) == 0) return k;
+  }
+  return RegionKind::kView;
+}
+
+}  // namespace
+
+const char* preserve_mode_name(PreserveMode m) {
+  switch (m) {
+    case PreserveMode::kOff: return "off";
+    case PreserveMode::kRegions: return "regions";
+    case PreserveMode::kSnapshots: return "snapshots";
+  }
+  return "?";
+}
+
+struct WriteWatcher::Write {
+  RegionKind kind = RegionKind::kView;
+  int64_t offset = 0;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+  at::Tensor old;                                   // the overwritten entries, before the write
+  c10::List<std::optional<at::Tensor>> indices;     // kIndexPut
+  int64_t dim = 0;                                  // kIndexDim, kScatter
+  at::Tensor index;                                 // kIndexDim, kScatter
+  at::Tensor mask;                                  // kMasked
+};
+
+// The entries of `region` a write of kind w.kind touches, and writing them back.
+at::Tensor WriteWatcher::take(const Write& w, const at::Tensor& region) {
+  switch (w.kind) {
+    case RegionKind::kIndexPut: return at::index(region, w.indices);
+    case RegionKind::kIndexDim: return region.index_select(w.dim, w.index);
+    case RegionKind::kScatter: return region.gather(w.dim, w.index);
+    case RegionKind::kMasked: return region.masked_select(w.mask);
+    case RegionKind::kView: return region.clone();
+  }
+  return {};
+}
+
+void WriteWatcher::put(const Write& w, at::Tensor& region, const at::Tensor& values) {
+  switch (w.kind) {
+    case RegionKind::kIndexPut: region.index_put_(w.indices, values); break;
+    case RegionKind::kIndexDim: region.index_copy_(w.dim, w.index, values); break;
+    case RegionKind::kScatter: region.scatter_(w.dim, w.index, values); break;
+    case RegionKind::kMasked: region.masked_scatter_(w.mask, values); break;
+    case RegionKind::kView: region.copy_(values); break;
+  }
+}
+
+struct WriteWatcher::Entry {
+  PreserveMode mode = PreserveMode::kRegions;
+  int64_t nbytes = 0;
+  int64_t count = 0;       // writes seen since the storage was first watched
+  int64_t last_mark = -1;  // the latest mark handed out (marks never decrease)
+  bool broken = false;     // saving a write failed: restores refuse
+  std::string broken_why;
+  std::vector<Write> writes;                               // kRegions: write k is the (k+1)-th
+  std::vector<std::pair<int64_t, at::Tensor>> snapshots;   // kSnapshots: (writes seen before, bytes)
+  PreservedStorage stats;
+};
+
+WriteWatcher::WriteWatcher(PreserveMode mode, std::unordered_map<const void*, PreserveMode> overrides)
+    : mode_(mode), overrides_(std::move(overrides)) {}
+
+WriteWatcher::~WriteWatcher() { end(); }
+
+void WriteWatcher::attach() {
+  callback_ = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(&WriteWatcher::on_enter, &WriteWatcher::on_exit).needsInputs(true).scopes(
+          {at::RecordScope::FUNCTION}));
+  t_watcher = this;
+  depth_ = 0;
+  paused_ = false;
+}
+
+void WriteWatcher::install() {
+  if (callback_ != 0 || mode_ == PreserveMode::kOff) return;
+  if (t_watcher != nullptr) return;  // another session's step watches this thread: replays it cannot cover reject
+  owner_ = std::this_thread::get_id();
+  attach();
+}
+
+void WriteWatcher::resume() {
+  if (!paused_ || std::this_thread::get_id() != owner_) return;
+  if (callback_ != 0) {
+    paused_ = false;  // paused from another thread: the callback is still attached
+  } else if (t_watcher == nullptr) {
+    attach();
+  }
+}
+
+void WriteWatcher::pause() noexcept {
+  paused_ = true;
+  if (callback_ != 0 && std::this_thread::get_id() == owner_) {
+    at::removeCallback(callback_);
+    callback_ = 0;
+    if (t_watcher == this) t_watcher = nullptr;
+  }
+}
+
+void WriteWatcher::end() noexcept {
+  if (callback_ != 0) {
+    at::removeCallback(callback_);
+    callback_ = 0;
+  }
+  if (t_watcher == this) t_watcher = nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.clear();
+}
+
+std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunction& fn) {
+  WriteWatcher* w = t_watcher;
+  if (w == nullptr || w->paused_.load(std::memory_order_relaxed)) return nullptr;
+  // Only calls made from user code (depth 0) write "for real": the children of an in-place op are its kernel.
+  if (w->depth_ == 0 && !w->busy_) w->see(fn);
+  ++w->depth_;
+  return nullptr;
+}
+
+void WriteWatcher::on_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+  WriteWatcher* w = t_watcher;
+  if (w != nullptr && w->depth_ > 0) --w->depth_;
+}
+
+void WriteWatcher::see(const at::RecordFunction& fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (entries_.empty()) return;
+  const char* name = fn.name();
+  auto it = writes_by_name_.find(name);
+  if (it == writes_by_name_.end()) {
+    std::vector<bool> writes;
+    if (auto op = fn.operator_name(); op.has_value()) {
+      if (const capture::OpInfo* info = capture::op_info(*op)) writes = info->writes_arg;
+    }
+    it = writes_by_name_.emplace(name, std::move(writes)).first;
+  }
+  const std::vector<bool>& writes = it->second;
+  if (writes.empty()) return;
+  const auto inputs = fn.inputs();
+  for (size_t a = 0; a < writes.size() && a < inputs.size(); ++a) {
+    if (!writes[a]) continue;
+    auto visit = [&](const at::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) return;
+      auto e = entries_.find(capture::storage_key(t));
+      if (e != entries_.end()) save(*e->second, name, fn, a, t);
+    };
+    const c10::IValue& v = inputs[a];
+    if (v.isTensor()) {
+      visit(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+    }
+  }
+}
+
+void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg,
+                        const at::Tensor& target) {
+  const int64_t t0 = now_ns();
+  busy_ = true;
+  try {
+    QuietScope quiet;
+    if (e.mode == PreserveMode::kSnapshots) {
+      // A reader needs the bytes as they are now, and no snapshot holds them yet.
+      if (e.last_mark == e.count && (e.snapshots.empty() || e.snapshots.back().first != e.count)) {
+        at::Tensor bytes = bytes_of_storage(target).clone();
+        e.stats.held_bytes += tensor_bytes(bytes);
+        e.snapshots.emplace_back(e.count, std::move(bytes));
+      }
+    } else if (!e.broken) {
+      const auto inputs = fn.inputs();
+      Write w;
+      w.kind = region_kind(op.c_str(), arg);
+      w.offset = target.storage_offset();
+      w.sizes = target.sizes().vec();
+      w.strides = target.strides().vec();
+      w.dtype = target.scalar_type();
+      switch (w.kind) {
+        case RegionKind::kIndexPut:
+          for (const c10::IValue& i : inputs.at(1).toListRef()) {
+            w.indices.push_back(i.isTensor() ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
+          }
+          break;
+        case RegionKind::kIndexDim:
+        case RegionKind::kScatter:
+          w.dim = inputs.at(1).toInt();
+          w.index = inputs.at(2).toTensor().clone();
+          break;
+        case RegionKind::kMasked:
+          w.mask = inputs.at(1).toTensor().clone();
+          break;
+        case RegionKind::kView:
+          break;
+      }
+      w.old = take(w, target);
+      e.stats.held_bytes += tensor_bytes(w.old) + tensor_bytes(w.index) + tensor_bytes(w.mask);
+      for (size_t k = 0; k < w.indices.size(); ++k) {
+        const std::optional<at::Tensor> i = w.indices.get(k);
+        if (i.has_value()) e.stats.held_bytes += tensor_bytes(*i);
+      }
+      e.writes.push_back(std::move(w));
+    }
+  } catch (const std::exception& ex) {
+    e.broken = true;
+    e.broken_why = std::string("saving the region of ") + op + " failed: " + ex.what();
+  }
+  busy_ = false;
+  ++e.count;
+  ++e.stats.writes;
+  e.stats.save_ns += now_ns() - t0;
+}
+
+int64_t WriteWatcher::watch(const at::Tensor& t) {
+  if (mode_ == PreserveMode::kOff || !t.defined() || !t.has_storage()) return 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_ptr<Entry>& e = entries_[capture::storage_key(t)];
+  if (!e) {
+    e = std::make_unique<Entry>();
+    auto o = overrides_.find(capture::storage_key(t));
+    e->mode = o != overrides_.end() ? o->second : mode_;
+    if (e->mode == PreserveMode::kOff) e->mode = mode_;
+    e->nbytes = static_cast<int64_t>(t.storage().nbytes());
+    e->stats.key = capture::storage_key(t);
+    e->stats.nbytes = e->nbytes;
+  }
+  e->last_mark = e->count;
+  return e->count;
+}
+
+WriteWatcher::Swap::~Swap() {
+  // Forward order: each write's current entries go back, ending at the bytes the step left.
+  try {
+    QuietScope quiet;
+    for (size_t k = 0; k < current_.size(); ++k) {
+      const Write& w = *writes_[k];
+      at::Tensor region = view_on(storage_, w.offset, w.sizes, w.strides, w.dtype);
+      put(w, region, current_[k]);
+    }
+  } catch (...) {
+    // Only an allocation can fail here (index tensors); the step's bytes would be lost: there is no safe recovery
+    // short of aborting, which the runtime must not do. Left as the forward saw them (documented).
+  }
+}
+
+WriteWatcher::Restored WriteWatcher::restore(const at::Tensor& t, int64_t mark, uint32_t version_delta,
+                                             std::string* why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Restored out;
+  auto it = entries_.find(capture::storage_key(t));
+  if (it == entries_.end()) {
+    *why = "its storage was not watched (preserve=\"off\", or the tensor was replaced)";
+    return out;
+  }
+  Entry& e = *it->second;
+  const int64_t seen = e.count - mark;
+  if (static_cast<int64_t>(version_delta) > seen) {
+    *why = "its version moved by " + std::to_string(version_delta) + " but the step's thread made only " +
+           std::to_string(seen) +
+           " in-place writes to it; the others happened on another thread, during the backward, or outside the "
+           "dispatcher, where tapesac cannot save what they overwrite";
+    return out;
+  }
+  if (e.broken) {
+    *why = e.broken_why;
+    return out;
+  }
+  const int64_t t0 = now_ns();
+  QuietScope quiet;
+  if (e.mode == PreserveMode::kSnapshots) {
+    // Replay never writes the tensors it reads live (the pruning pass refuses ops that write external storages),
+    // so the snapshot itself serves every replay: no copy.
+    at::Tensor bytes;
+    for (const auto& [seq, snap] : e.snapshots) {
+      if (seq == mark) bytes = snap;
+    }
+    if (!bytes.defined()) {
+      *why = "no snapshot holds its bytes as of the block's forward";
+      return out;
+    }
+    out.copy = view_on(bytes, t.storage_offset(), t.sizes(), t.strides(), t.scalar_type());
+  } else {
+    // Swap the overwritten regions back in, newest write first, remembering what they hold now; the Swap puts
+    // those back when the replay is done. Only the regions are copied, never the storage.
+    lock.unlock();  // the swap lock orders replays; the entry is not written while the backward runs
+    auto swap = std::unique_ptr<Swap>(new Swap(swap_mu_));
+    swap->storage_ = bytes_of_storage(t);
+    for (int64_t k = e.count - 1; k >= mark; --k) {
+      const Write& w = e.writes.at(static_cast<size_t>(k));
+      at::Tensor region = view_on(swap->storage_, w.offset, w.sizes, w.strides, w.dtype);
+      swap->current_.insert(swap->current_.begin(), take(w, region));
+      swap->writes_.insert(swap->writes_.begin(), &w);
+      put(w, region, w.old);
+    }
+    out.swap = std::move(swap);
+    lock.lock();
+  }
+  ++e.stats.restores;
+  e.stats.restore_ns += now_ns() - t0;
+  return out;
+}
+
+int64_t WriteWatcher::writes_since(const at::Tensor& t, int64_t mark) const {
+  if (!t.defined() || !t.has_storage()) return 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(capture::storage_key(t));
+  return it == entries_.end() ? 0 : it->second->count - mark;
+}
+
+std::vector<PreservedStorage> WriteWatcher::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PreservedStorage> out;
+  for (const auto& [key, e] : entries_) {
+    if (e->stats.writes > 0) {
+      out.push_back(e->stats);
+      out.back().mode = e->mode;
+    }
+  }
+  return out;
+}
+
+int64_t WriteWatcher::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& [key, e] : entries_) n += e->stats.held_bytes;
+  return n;
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,277 @@
+"""Preservation of external tensors written in place between a block's forward and its replay (regions, snapshots,
+keep, auto), execution records, tapesac.validate, and side effects happening once (BatchNorm)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tapesac
+from tapesac import preserve as P
+
+D = 32
+ROWS = 400
+
+
+class BankBlock(nn.Module):
+    """Reads a memory bank through index_select (autograd saves only the indices, so the bank is read by replay)."""
+
+    def __init__(self, bank: torch.Tensor):
+        super().__init__()
+        self.bank = bank
+        self.q = nn.Linear(D, D)
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        mem = self.bank.index_select(0, ids)
+        a = torch.softmax(self.q(x) @ mem.t(), -1)
+        return x + self.o(a @ mem)
+
+
+class BankNet(nn.Module):
+    def __init__(self, layers: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("bank", torch.randn(ROWS, D))
+        self.layers = nn.ModuleList(BankBlock(self.bank) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x, ids)
+        return x
+
+
+def _bank_step(m: BankNet, x: torch.Tensor, ids: torch.Tensor, write: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    loss = m(x, ids).square().mean()
+    with torch.no_grad():
+        write(m.bank)
+    loss.backward()
+    return loss.detach()
+
+
+WRITES: dict[str, Callable[[torch.Tensor], None]] = {
+    "index_put_": lambda b: b.__setitem__(torch.tensor([0, 2, 7, 399]), torch.full((4, D), 5.0)),
+    "bool mask index_put_": lambda b: b.__setitem__(b[:, 0] > 1.0, 0.0),
+    "index_copy_": lambda b: b.index_copy_(0, torch.tensor([3, 4]), torch.ones(2, D)),
+    "index_fill_": lambda b: b.index_fill_(1, torch.tensor([1, 5]), -2.0),
+    "index_add_": lambda b: b.index_add_(0, torch.tensor([6, 6, 8]), torch.ones(3, D)),
+    "scatter_": lambda b: b.scatter_(1, torch.zeros(ROWS, 1, dtype=torch.long), 9.0),
+    "masked_fill_": lambda b: b.masked_fill_(b > 2.0, 0.0),
+    "slice copy_": lambda b: b[10:20].copy_(torch.zeros(10, D)),
+    "column slice mul_": lambda b: b[:, 3:5].mul_(0.5),
+    "whole add_": lambda b: b.add_(1.0),
+    "two overlapping writes": lambda b: (b[0:50].zero_(), b.index_fill_(0, torch.tensor([1, 40, 60]), 3.0)),
+    "roll (dense queue)": lambda b: b.copy_(torch.roll(b.clone(), 16, 0)),
+}
+
+
+@pytest.mark.parametrize("mode", ["regions", "snapshots"])
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+def test_write_kinds_are_recovered_exactly(write: str, mode: str) -> None:
+    m = BankNet()
+    ref = copy.deepcopy(m)
+    x, ids = torch.randn(8, D), torch.arange(0, ROWS, 3)
+    ref_loss = _bank_step(ref, x, ids, WRITES[write])
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full", preserve=mode)
+    with sac.step():
+        loss = _bank_step(m, x, ids, WRITES[write])
+    assert torch.equal(loss, ref_loss)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(m.bank, ref.bank)  # the real buffer holds the write; only replay saw the old bytes
+    st = sac.last_step
+    assert st.record_counts.get("recovered", 0) > 0 and set(st.record_counts) == {"recovered"}
+    (p,) = st.preserved
+    assert p["mode"] == mode and p["writes"] >= 1 and p["restores"] == 3  # one private copy per block's replay
+    if mode == "snapshots":
+        assert p["held_bytes"] == ROWS * D * 4
+    elif write in ("index_put_", "index_copy_", "slice copy_"):
+        assert p["held_bytes"] < ROWS * D * 4 // 10  # a few rows, not the bank
+
+
+def test_sparse_writes_over_steps_all_modes_exact_and_auto_chooses() -> None:
+    base = BankNet()
+    x, ids = torch.randn(8, D), torch.arange(0, ROWS, 2)
+    write = WRITES["index_put_"]
+    peaks = {}
+    for mode in ("regions", "snapshots", "keep", "auto"):
+        m, ref = copy.deepcopy(base), copy.deepcopy(base)
+        sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full", preserve=mode)
+        for step in range(4):
+            ref_loss = _bank_step(ref, x, ids, write)
+            with sac.step():
+                loss = _bank_step(m, x, ids, write)
+            assert torch.equal(loss, ref_loss)
+            for p, q in zip(m.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad)
+            m.zero_grad()
+            ref.zero_grad()
+        st = sac.last_step
+        peaks[mode] = st.memory.peak_bytes
+        if mode == "keep":
+            # From the second step the activations that read the bank are kept: nothing to recover.
+            assert st.preserved == () and st.dropped_tensors == 0 or all(
+                r == "match" for r in st.record_counts)
+        if mode == "auto":
+            # Steps 1-3 tried regions, snapshots and keep; the lowest measured peak stays.
+            assert [t.mode for t in sac.preservation_trials] == ["regions", "snapshots", "keep"]
+            chosen = min(sac.preservation_trials, key=lambda t: t.peak_bytes).mode
+            assert set(sac.preservation.values()) == {chosen}
+            with sac.step():
+                _bank_step(m, x, ids, write)
+            peaks[mode] = sac.last_step.memory.peak_bytes
+    assert peaks["auto"] == min(peaks["regions"], peaks["snapshots"], peaks["keep"])
+
+
+def test_pick_from_measured_trials() -> None:
+    trials = [P.Trial("regions", 1000, 5.0), P.Trial("snapshots", 1100, 2.0), P.Trial("keep", 1300, 1.0)]
+    assert P.pick(trials, None) == "regions"  # no limit: the lowest measured peak
+    assert P.pick(trials, 2000) == "keep"  # all fit: the cheapest
+    assert P.pick(trials, 1200) == "snapshots"
+    assert P.pick(trials, 500) == "regions"  # none fits: the lowest peak
+    with pytest.raises(ValueError):
+        P.pick([], None)
+
+
+def test_records_file_and_validate(tmp_path) -> None:
+    m = BankNet(2)
+    x, ids = torch.randn(8, D), torch.arange(0, ROWS, 3)
+    path = tmp_path / "replays.jsonl"
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full", records=path)
+    for _ in range(2):
+        with sac.step():
+            _bank_step(m, x, ids, WRITES["index_put_"])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["step"] for r in lines} == {1, 2}
+    assert all(r["status"] == "recovered" and r["bytes"] > 0 and r["time_ns"] > 0 for r in lines)
+    assert {"block", "value", "op", "status", "bytes", "time_ns", "detail"} <= set(lines[0])
+    sac.close()
+
+    report = tapesac.validate(BankNet(2), lambda mm: _bank_step(mm, x, ids, WRITES["index_put_"]), blocks="layers.*",
+                              policy="full")
+    assert report.bitwise_equal and report.max_abs == 0.0 and report.error == ""
+    assert report.counts().get("recovered", 0) > 0
+    assert "bitwise equal" in report.pretty()
+    bad = tapesac.validate(BankNet(2), lambda mm: _bank_step(mm, x, ids, WRITES["index_put_"]), blocks="layers.*",
+                           policy="full", preserve="off")
+    assert not bad.bitwise_equal and "ReplayContractError" in bad.error and bad.counts().get("rejected") == 1
+
+
+def test_validate_reports_gradient_differences() -> None:
+    """validate compares against the copy: a step_fn that behaves differently on the second call shows up."""
+    calls = []
+
+    def step(mm: nn.Module) -> torch.Tensor:
+        calls.append(1)
+        x = torch.ones(2, D) * len(calls)  # differs between the reference and the tapesac run
+        loss = mm(x, torch.arange(4)).sum()
+        loss.backward()
+        return loss
+
+    r = tapesac.validate(BankNet(2), step, blocks="layers.*", policy="full")
+    assert not r.bitwise_equal and r.max_abs > 0 and r.max_rel > 0
+    assert any(not d.bitwise_equal for d in r.gradients)
+
+
+class BNBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.bn(self.fc(x)))
+
+
+def test_batchnorm_running_stats_updated_once() -> None:
+    """PyTorch's checkpoint updates BatchNorm running statistics twice (once more in the recompute); tapesac never
+    re-applies a write to external state: the statistics and gradients equal a no-checkpoint step's."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(BNBlock() for _ in range(3)).train()
+    ref = copy.deepcopy(layers)
+    x = torch.randn(16, D)
+
+    def run(ls: nn.ModuleList) -> None:
+        h = x
+        for b in ls:
+            h = b(h)
+        h.square().mean().backward()
+
+    sac = tapesac.TapeSAC(layers, blocks=layers, policy="full")
+    for _ in range(2):
+        run(ref)
+        with sac.step():
+            run(layers)
+    assert sac.last_step.ops_replayed > 0
+    for (n, a), (_, b) in zip(layers.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), n
+    for a, b in zip(layers.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert int(layers[0].bn.num_batches_tracked) == 2
+
+
+def test_no_watcher_state_after_a_rejected_step() -> None:
+    m = BankNet(2)
+    x, ids = torch.randn(8, D), torch.arange(0, ROWS, 3)
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full", preserve="off")
+    with pytest.raises(tapesac.ReplayContractError):
+        with sac.step():
+            _bank_step(m, x, ids, WRITES["index_put_"])
+    m.zero_grad()
+    ref = copy.deepcopy(m)
+    ref_loss = _bank_step(ref, x, ids, lambda b: None)
+    with sac.step():
+        loss = _bank_step(m, x, ids, lambda b: None)
+    assert torch.equal(loss, ref_loss) and sac.last_step.preserved == ()
+    assert set(sac.last_step.record_counts) == {"match"}
+
+
+def test_write_during_the_backward_is_rejected_not_silent() -> None:
+    """The watcher pauses when the backward starts: a write made by a hook between two blocks' backwards is not
+    saved, so the version check rejects the replay that would read it."""
+    m = BankNet(2)
+    x, ids = torch.randn(8, D, requires_grad=True), torch.arange(0, ROWS, 3)
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full")
+
+    def write_bank(grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            m.bank[0] += 1.0
+
+    with pytest.raises(tapesac.ReplayContractError, match="cannot be rebuilt"):
+        with sac.step():
+            h = m.layers[0](x, ids)
+            h.register_hook(write_bank)  # runs after layers.1's backward (and replay), before layers.0's
+            m.layers[1](h, ids).square().mean().backward()
+    assert sac.last_records[-1]["status"] == "rejected"
+
+
+def test_gradient_accumulation_within_one_step_sees_writes_again() -> None:
+    """Two forward/backward pairs in one step: the watcher resumes with the second forward."""
+    m = BankNet(2)
+    ref = copy.deepcopy(m)
+    x, ids = torch.randn(8, D), torch.arange(0, ROWS, 3)
+    write = WRITES["index_put_"]
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full")
+    for _ in range(2):
+        _bank_step(ref, x, ids, write)
+    with sac.step():
+        for _ in range(2):
+            _bank_step(m, x, ids, write)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert set(sac.last_step.record_counts) == {"recovered"}
+    assert sac.last_step.preserved[0]["writes"] == 2
+
+
+def test_bad_preserve_and_records_arguments() -> None:
+    m = BankNet(1)
+    with pytest.raises(tapesac.ConfigError, match="preserve='sometimes' is not supported"):
+        tapesac.TapeSAC(m, blocks=m.layers, preserve="sometimes")
+    with pytest.raises(tapesac.ConfigError, match="records must be a file path"):
+        tapesac.TapeSAC(m, blocks=m.layers, records=3)

@@ -326,7 +326,8 @@ class TapeSAC:
             from the measured costs of the previous step, ``"off"`` rejects such replays with ReplayContractError.
             Writes must happen on the step's thread; others are detected by version counters and rejected.
         records: a path: one JSON line per replayed value (block, value, op, status match / recovered / rejected /
-            divergent, bytes, time) is appended to it; ``last_records`` holds the last step's.
+            divergent, or approximated with ``approx``, bytes, time) is appended to it; ``last_records`` holds the
+            last step's.
         approx: a ``tapesac.Approx``: replay recomputes only a fraction of each gated MLP's hidden units and/or each
             attention's heads (greedy, or an unbiased sketch); the loss stays exact, gradients become estimates.
             None (default): exact replay.

@@ -701,6 +701,8 @@ std::unique_ptr<BlockApprox> Approx::prepare(const ApproxInput& in, std::vector<
         result->op_match_[p] = BlockApprox::OpUse{idx, BlockApprox::Role::kColumns, tape.op(p).kind == kinds().addmm};
       }
       for (ValueId v : m.scaled) result->scaled_match_[v] = BlockApprox::Scale{idx, HeadLayout{true, -1}, 1, false};
+      result->approximated_.insert(m.scaled.begin(), m.scaled.end());
+      result->approximated_.insert(m.unscaled.begin(), m.unscaled.end());
       outputs.push_back(m.down_mm);
     }
   }
@@ -777,6 +779,7 @@ std::unique_ptr<BlockApprox> Approx::prepare(const ApproxInput& in, std::vector<
         result->scaled_match_[v] = BlockApprox::Scale{idx, layout, layout.merged ? hd : 1, false};
       }
       result->scaled_match_[m.lse] = BlockApprox::Scale{idx, HeadLayout{false, 1}, 1, true};
+      result->approximated_.insert(m.values.begin(), m.values.end());
     }
   }
 

@@ -689,7 +689,9 @@ at::Tensor BlockCall::unpack(int32_t slot) {
           throw Error(ErrorKind::kReplayContract, msg.str());
         }
       }
-      record(value, recovered.empty() ? "match" : "recovered", nbytes, replay_ns, recovered);
+      const bool approximated = approx_ && approx_->approximates(value);
+      record(value, approximated ? "approximated" : recovered.empty() ? "match" : "recovered", nbytes, replay_ns,
+             recovered);
       cache_.emplace(value, std::move(tensor));
     }
     ++replays_;

@@ -131,6 +131,8 @@ def test_runs_on_hf_models(tapesac, arch, method):
     assert abs(st.approx_heads_recomputed - LAYERS * HEADS // 2) <= tol
     # The residual stream after attention (saved by the next norm) is kept: its replay would read the attention.
     assert all(b.approx_kept_values == 1 for b in st.blocks)
+    # Execution records: the approximated components' values are "approximated", the rest of the replay "match".
+    assert st.record_counts.get("approximated", 0) > 0 and st.record_counts.get("match", 0) > 0
     text = sac.report().pretty()
     assert "approx: 2 gated MLP(s) in 2 block call(s)" in text and "2 attention(s)" in text
     grads = dict(model.named_parameters())

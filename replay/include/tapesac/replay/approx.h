@@ -33,6 +33,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -148,6 +149,8 @@ class BlockApprox : public OpOverride {
   /// rebuilt logsumexp by -log(w).
   void finish(std::unordered_map<capture::ValueId, at::Tensor>& rebuilt) const;
   bool empty() const { return applied_.empty(); }
+  /// True when replay rebuilds `value` differently from the forward (a value of an approximated component).
+  bool approximates(capture::ValueId value) const { return approximated_.count(value) != 0; }
 
  private:
   friend class Approx;
@@ -177,6 +180,7 @@ class BlockApprox : public OpOverride {
   std::vector<Applied> applied_;
   std::unordered_map<capture::OpIndex, OpUse> op_match_;
   std::unordered_map<capture::ValueId, Scale> scaled_match_;
+  std::unordered_set<capture::ValueId> approximated_;
 };
 
 /// What prepare() reads about a block call at the end of its forward.

@@ -89,7 +89,7 @@ struct ReplayRecord {
   std::string block;
   int64_t value = -1;
   std::string op;      // the op that produced the value's bytes
-  std::string status;  // "match", "recovered", "rejected" or "divergent"
+  std::string status;  // "match", "recovered", "rejected", "divergent" or "approximated" (TapeSAC(approx=...))
   int64_t bytes = 0;
   int64_t ns = 0;      // duration of the replay that rebuilt it (shared by the values of one replay)
   int64_t replay = 0;  // index of that replay within the block call

@@ -41,6 +41,17 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["replay_pieces"] = s.replay_pieces;
   d["planned"] = s.planned;
   d["capture_error"] = s.capture_error;
+  d["approx_mlp"] = s.approx.mlp_applied;
+  d["approx_mlp_skipped"] = s.approx.mlp_skipped;
+  d["approx_units_total"] = s.approx.units_total;
+  d["approx_units_recomputed"] = s.approx.units_recomputed;
+  d["approx_attn"] = s.approx.attn_applied;
+  d["approx_attn_skipped"] = s.approx.attn_skipped;
+  d["approx_heads_total"] = s.approx.heads_total;
+  d["approx_heads_recomputed"] = s.approx.heads_recomputed;
+  d["approx_kv_heads_total"] = s.approx.kv_heads_total;
+  d["approx_kv_heads_recomputed"] = s.approx.kv_heads_recomputed;
+  d["approx_kept_values"] = s.approx.kept_values;
   return d;
 }
 
@@ -119,6 +130,25 @@ void bind_replay(py::module_& m) {
            py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0,
            py::arg("preserve") = "regions")
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
+      .def(
+          "set_approx",
+          [](Session& s, double fraction, const std::string& method, bool mlp, bool attn, uint64_t seed,
+             bool reweight) {
+            TAPESAC_CHECK(fraction > 0 && fraction <= 1, kConfig, "approx fraction must be in (0, 1], got ", fraction);
+            TAPESAC_CHECK(method == "sketch" || method == "greedy", kConfig,
+                          "approx method must be 'sketch' or 'greedy', got '", method, "'");
+            replay::ApproxOptions o;
+            o.fraction = fraction;
+            o.method = method == "greedy" ? replay::ApproxMethod::kGreedy : replay::ApproxMethod::kSketch;
+            o.mlp = mlp;
+            o.attn = attn;
+            o.seed = seed;
+            o.reweight = reweight;
+            s.set_approx(std::make_shared<replay::Approx>(o));
+          },
+          py::arg("fraction"), py::arg("method"), py::arg("mlp") = true, py::arg("attn") = false, py::arg("seed") = 0,
+          py::arg("reweight") = true)
+      .def("clear_approx", [](Session& s) { s.set_approx(nullptr); })
       .def("shutdown", &Session::shutdown)
       .def_property_readonly("memory_limit", [](const Session& s) { return s.options().memory_limit; })
       .def("last_memory", [](const Session& s) { return memory_to_dict(s.last_memory()); })

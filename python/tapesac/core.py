@@ -40,18 +40,49 @@ RECALIBRATIONS = 1
 _thread_state = threading.local()
 
 
+APPROX_METHODS = ("sketch", "greedy")
+APPROX_TARGETS = ("mlp", "attn")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Approx:
-    """Approximate rematerialization of linear layers (not available yet: passing one raises ConfigError).
+    """Approximate rematerialization of linear layers: replay recomputes only a fraction of the units (MLP hidden units,
+    attention heads) of each matched component (README, "Approximate rematerialization"). The forward and the loss
+    are exact; gradients are estimates.
 
-    fraction: share of components recomputed, in (0, 1].
-    method: "sketch" (unbiased randomized sketch) or "greedy" (most important components).
-    targets: which linear layers: any of "mlp", "attn".
+    fraction: share of the units recomputed, in (0, 1] (per component round(fraction * units), at least 1). 1 is
+        exact (bitwise equal to exact replay).
+    method: "sketch" samples units with probabilities proportional to importance and reweights them by 1/p (an
+        unbiased gradient estimate); "greedy" recomputes the most important units (biased, lower variance).
+    targets: the components approximated: "mlp" — gated MLPs, per hidden unit (SwiGLU/GeGLU: HF Llama, Qwen3, ...);
+        "attn" — attention, per query head (q/k/v projections and the CPU flash SDPA kernel; grouped-query attention
+        included). Values after an approximated attention that replay would rebuild from its output (the residual
+        stream, saved by the next norm) are kept instead. Other patterns are replayed exactly.
+    seed: seed of the sketch's sampling (a private generator; torch's generators are never touched). Each step and
+        each block call draws independently.
     """
 
     fraction: float = 2 / 3
     method: str = "sketch"
     targets: tuple[str, ...] = ("mlp", "attn")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not (
+            0 < self.fraction <= 1
+        ):
+            raise ConfigError(f"Approx(fraction={self.fraction!r}): expected a number in (0, 1], e.g. 2/3")
+        if self.method not in APPROX_METHODS:
+            raise ConfigError(f"Approx(method={self.method!r}): expected one of {list(APPROX_METHODS)}")
+        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+        if not isinstance(targets, (tuple, list)) or not targets or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(f"Approx(targets={self.targets!r}): expected a non-empty tuple of {list(APPROX_TARGETS)}")
+        for t in targets:
+            if t not in APPROX_TARGETS:
+                raise ConfigError(f"Approx(targets={self.targets!r}): unknown target {t!r}; expected {list(APPROX_TARGETS)}")
+        object.__setattr__(self, "targets", tuple(dict.fromkeys(targets)))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"Approx(seed={self.seed!r}): expected an int in [0, 2**64)")
 
 
 @dataclass(frozen=True)
@@ -77,13 +108,29 @@ class _Counts:
 class BlockStats(_Counts):
     """One block call of a step. ``replayed_bytes``: bytes allocated by its replays; ``replay_peak_bytes``: the
     largest measured working set of one replay; ``predicted_replay_bytes``: the largest predicted from the tape;
-    ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``."""
+    ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``. With ``approx``:
+    ``approx_mlp`` gated MLPs approximated (``approx_mlp_skipped``: found but replayed exactly, e.g. a value kept),
+    ``approx_units_total`` their hidden units and ``approx_units_recomputed`` how many replay recomputes; the same for
+    attention (``approx_attn``, ``approx_attn_skipped``, ``approx_heads_total``, ``approx_heads_recomputed``, and
+    ``approx_kv_heads_*`` for its key/value heads);
+    ``approx_kept_values``: dropped values kept because their replay would read an approximated output."""
 
     name: str
     replay_peak_bytes: int = 0
     predicted_replay_bytes: int = 0
     planned: bool = False
     capture_error: str = ""
+    approx_mlp: int = 0
+    approx_mlp_skipped: int = 0
+    approx_units_total: int = 0
+    approx_units_recomputed: int = 0
+    approx_attn: int = 0
+    approx_attn_skipped: int = 0
+    approx_heads_total: int = 0
+    approx_heads_recomputed: int = 0
+    approx_kv_heads_total: int = 0
+    approx_kv_heads_recomputed: int = 0
+    approx_kept_values: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +144,15 @@ class StepStats(_Counts):
     blocks: tuple[BlockStats, ...] = ()
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
     memory: MemoryStats | None = None
+    approx_mlp: int = 0
+    approx_units_total: int = 0
+    approx_units_recomputed: int = 0
+    approx_attn: int = 0
+    approx_heads_total: int = 0
+    approx_heads_recomputed: int = 0
+    approx_kv_heads_total: int = 0
+    approx_kv_heads_recomputed: int = 0
+    approx_kept_values: int = 0
     # Storages written in place after a block read them (see TapeSAC(preserve=...)): mode, bytes, writes, held
     # bytes, save/restore time; and the replay records' counts by status ("match", "recovered", ...).
     preserved: tuple[dict[str, Any], ...] = ()
@@ -289,8 +345,11 @@ class TapeSAC:
             from the measured costs of the previous step, ``"off"`` rejects such replays with ReplayContractError.
             Writes must happen on the step's thread; others are detected by version counters and rejected.
         records: a path: one JSON line per replayed value (block, value, op, status match / recovered / rejected /
-            divergent, bytes, time) is appended to it; ``last_records`` holds the last step's.
-        approx: reserved for approximate rematerialization; must be None for now.
+            divergent, or approximated with ``approx``, bytes, time) is appended to it; ``last_records`` holds the
+            last step's.
+        approx: a ``tapesac.Approx``: replay recomputes only a fraction of each gated MLP's hidden units and/or each
+            attention's heads (greedy, or an unbiased sketch); the loss stays exact, gradients become estimates.
+            None (default): exact replay.
     """
 
     def __init__(
@@ -326,8 +385,12 @@ class TapeSAC:
         if records is not None and not isinstance(records, (str, os.PathLike)):
             raise ConfigError(f"records must be a file path (str or os.PathLike) for the JSON-lines execution "
                               f"records, got {type(records).__name__}")
-        if approx is not None:
-            raise ConfigError("approx: approximate rematerialization is not available yet; pass approx=None")
+        if approx is not None and not isinstance(approx, Approx):
+            raise ConfigError(f"approx must be a tapesac.Approx(fraction=..., method=..., targets=...) or None, got "
+                              f"{type(approx).__name__}")
+        if approx is not None and contract == "strict":
+            raise ConfigError("approx cannot run with contract='strict' (which checks that replay rebuilds every "
+                              "dropped tensor byte for byte); use contract='check' with approx")
         self._model = model
         self._blocks = _resolve_blocks(model, blocks)
         compiled = [n for n, m in self._blocks if _is_compiled(m)]
@@ -359,6 +422,10 @@ class TapeSAC:
         self._preserve_mode: str | None = None
         self._records_path = Path(records) if records is not None else None
         self._last_records: list[dict[str, Any]] = []
+        self._approx = approx
+        if approx is not None:
+            self._session.set_approx(float(approx.fraction), approx.method, mlp="mlp" in approx.targets,
+                                     attn="attn" in approx.targets, seed=approx.seed)
         self._planner = None
         self._limit = limit or 0
         self._model_error = 0
@@ -645,6 +712,17 @@ class TapeSAC:
                 predicted_replay_bytes=b["predicted_replay_bytes"],
                 planned=bool(b["planned"]),
                 capture_error=b["capture_error"],
+                approx_mlp=b["approx_mlp"],
+                approx_mlp_skipped=b["approx_mlp_skipped"],
+                approx_units_total=b["approx_units_total"],
+                approx_units_recomputed=b["approx_units_recomputed"],
+                approx_attn=b["approx_attn"],
+                approx_attn_skipped=b["approx_attn_skipped"],
+                approx_heads_total=b["approx_heads_total"],
+                approx_heads_recomputed=b["approx_heads_recomputed"],
+                approx_kv_heads_total=b["approx_kv_heads_total"],
+                approx_kv_heads_recomputed=b["approx_kv_heads_recomputed"],
+                approx_kept_values=b["approx_kept_values"],
             )
             for b in raw
         )
@@ -668,6 +746,15 @@ class TapeSAC:
             step_ms=seconds * 1e3,
             blocks=blocks,
             ops_replayed_by_name=dict(self._session.last_replayed_by_name()),
+            approx_mlp=sum(b.approx_mlp for b in blocks),
+            approx_units_total=sum(b.approx_units_total for b in blocks),
+            approx_units_recomputed=sum(b.approx_units_recomputed for b in blocks),
+            approx_attn=sum(b.approx_attn for b in blocks),
+            approx_heads_total=sum(b.approx_heads_total for b in blocks),
+            approx_heads_recomputed=sum(b.approx_heads_recomputed for b in blocks),
+            approx_kv_heads_total=sum(b.approx_kv_heads_total for b in blocks),
+            approx_kv_heads_recomputed=sum(b.approx_kv_heads_recomputed for b in blocks),
+            approx_kept_values=sum(b.approx_kept_values for b in blocks),
             preserved=tuple(dict(p) for p in self._session.last_preserved()),
             record_counts=dict(collections.Counter(r["status"] for r in self._session.last_records())),
         )
@@ -774,6 +861,11 @@ class TapeSAC:
         self._close_open_blocks()
         self._session.shutdown()
         self._closed = True
+
+    @property
+    def approx(self) -> Approx | None:
+        """The approximation in use (None: exact replay)."""
+        return self._approx
 
     def __repr__(self) -> str:
         return f"TapeSAC(blocks={len(self._blocks)}, policy={self._policy_label!r}, steps={self._steps})"

@@ -136,6 +136,21 @@ class StepReport:
             planned = sum(1 for b in last["blocks"] if b.get("planned"))
             lines.append(f"plan: {planned} of {len(last['blocks'])} block call(s) ran the plan (the others found no "
                          f"plan for their tape and ran 'full'; the planner re-plans after such a step)")
+        if last.get("approx_units_total") or last.get("approx_heads_total"):
+            blocks = last["blocks"]
+            parts = []
+            if last.get("approx_units_total"):
+                parts.append(f"{last['approx_mlp']} gated MLP(s) in {sum(1 for b in blocks if b.get('approx_mlp'))} "
+                             f"block call(s), {last['approx_units_recomputed']} of {last['approx_units_total']} hidden "
+                             f"units recomputed")
+            if last.get("approx_heads_total"):
+                parts.append(f"{last['approx_attn']} attention(s) in {sum(1 for b in blocks if b.get('approx_attn'))} "
+                             f"block call(s), {last['approx_heads_recomputed']} of {last['approx_heads_total']} heads "
+                             f"recomputed")
+            skipped = sum(b.get("approx_mlp_skipped", 0) + b.get("approx_attn_skipped", 0) for b in blocks)
+            kept = sum(b.get("approx_kept_values", 0) for b in blocks)
+            lines.append("approx: " + "; ".join(parts) + (f"; {skipped} found but replayed exactly" if skipped else "")
+                         + (f"; {kept} value(s) kept (replay would read an approximated output)" if kept else ""))
         mem = last.get("memory")
         if mem:
             limit = mem.get("memory_limit")

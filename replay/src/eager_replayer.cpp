@@ -194,7 +194,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
       }
     }
 
-    payload.handle->callBoxed(stack);
+    if (options.op_override == nullptr || !options.op_override->run(i, stack)) payload.handle->callBoxed(stack);
 
     outs.clear();
     flatten_outputs(stack, outs);

@@ -331,6 +331,23 @@ void BlockCall::close_forward() {
     }
   }
 
+  if (session_ != nullptr && session_->approx() != nullptr) {
+    // Before the drop: importance is measured on the tensors the forward saved.
+    std::vector<ValueId> keep;
+    try {
+      approx_ = session_->approx()->prepare(
+          ApproxInput{tape, recorder_.payloads(), decision, tensor_of, state_of_value}, keep, st.approx);
+    } catch (...) {
+      approx_.reset();  // an optimisation only: on failure (out of memory) this call replays exactly
+      keep.clear();
+    }
+    for (ValueId v : keep) {  // their replay would read an approximated component's output
+      decision[static_cast<size_t>(v)] = 1;
+      available_[static_cast<size_t>(v)] = 1;
+      live_[static_cast<size_t>(v)] = *tensor_of[static_cast<size_t>(v)];
+    }
+  }
+
   // Drop: release the slots' references; count bytes by unique storage (a storage that a kept tensor still
   // holds is not freed by dropping another view of it).
   std::unordered_set<const void*> kept_storages, opaque_storages, dropped_storages;
@@ -636,6 +653,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     src.available = &available_;
     ReplayOptions opts;
     opts.check_metadata = options_->check_metadata;
+    opts.op_override = approx_.get();
 #ifdef TAPESAC_WITH_CUDA
     std::optional<cuda::ArenaRouting> arena_routing;
     if (options_->arena_pool_id.second != 0 || options_->arena_pool_id.first != 0) {
@@ -644,6 +662,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
 #endif
     const int64_t ns_before = replay_stats_.ns;
     auto out = replay(src, targets, opts, &replay_stats_);
+    if (approx_) approx_->finish(out);
     live_with_subs.clear();
     swaps.clear();  // the step's bytes back in the storages the replay read
     const int64_t replay_ns = replay_stats_.ns - ns_before;
@@ -671,7 +690,9 @@ at::Tensor BlockCall::unpack(int32_t slot) {
           throw Error(ErrorKind::kReplayContract, msg.str());
         }
       }
-      record(value, recovered.empty() ? "match" : "recovered", nbytes, replay_ns, recovered);
+      const bool approximated = approx_ && approx_->approximates(value);
+      record(value, approximated ? "approximated" : recovered.empty() ? "match" : "recovered", nbytes, replay_ns,
+             recovered);
       cache_.emplace(value, std::move(tensor));
     }
     ++replays_;
@@ -694,6 +715,7 @@ void BlockCall::close_step() noexcept {
   for (Slot& s : slots_) s.tensor.reset();
   cache_.clear();
   live_.clear();
+  approx_.reset();
   recorder_.clear();
 }
 
@@ -736,6 +758,7 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   memory_->counter = std::make_shared<allocator::MemoryCounter>(options_.timeline_points);
   memory_->baseline = baseline;
   counter_scope_.emplace(memory_->counter);
+  if (approx_) approx_->begin_step();
   if (options_.preserve != PreserveMode::kOff && options_.check_versions) {
     watcher_ = std::make_shared<WriteWatcher>(options_.preserve, preserve_modes_);
     watcher_->install();
@@ -753,6 +776,11 @@ void Session::set_preservation(std::unordered_map<const void*, PreserveMode> mod
 void Session::set_plans(std::unordered_map<std::string, BlockPlan> plans) {
   TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: a plan can only be set between steps");
   plans_ = std::move(plans);
+}
+
+void Session::set_approx(std::shared_ptr<Approx> approx) {
+  TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: approximation can only be configured between steps");
+  approx_ = std::move(approx);
 }
 
 void Session::shutdown() noexcept {

@@ -275,3 +275,21 @@ def test_bad_preserve_and_records_arguments() -> None:
         tapesac.TapeSAC(m, blocks=m.layers, preserve="sometimes")
     with pytest.raises(tapesac.ConfigError, match="records must be a file path"):
         tapesac.TapeSAC(m, blocks=m.layers, records=3)
+
+
+def test_auto_rechooses_under_a_new_limit() -> None:
+    """After its three trials, setting a memory_limit makes preserve="auto" choose again: the cheapest mode whose
+    measured peak fits; a limit below every trial's peak falls back to the lowest peak."""
+    m = BankNet()
+    x, ids = torch.randn(8, D), torch.arange(0, ROWS, 2)
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full")
+    for _ in range(4):
+        with sac.step():
+            _bank_step(m, x, ids, WRITES["index_put_"])
+        m.zero_grad()
+    trials = sac.preservation_trials
+    assert [t.mode for t in trials] == ["regions", "snapshots", "keep"]
+    sac.memory_limit = 10 * max(t.peak_bytes for t in trials)
+    assert set(sac.preservation.values()) == {min(trials, key=lambda t: (t.cost_ms, t.peak_bytes)).mode}
+    sac.memory_limit = min(t.peak_bytes for t in trials) - 1
+    assert set(sac.preservation.values()) == {min(trials, key=lambda t: t.peak_bytes).mode}

@@ -31,9 +31,20 @@ struct ReplayStats {
   std::unordered_map<capture::OpKind, int64_t> ops_by_kind;
 };
 
+/// Replaces how some tape ops run in a replay (approximate rematerialization, approx.h). run() receives the op's
+/// boxed arguments, tensors filled in; it returns false to let the replayer call the op, or true after leaving the
+/// op's outputs on `stack`.
+class OpOverride {
+ public:
+  virtual ~OpOverride() = default;
+  virtual bool run(OpIndex op, std::vector<c10::IValue>& stack) const = 0;
+};
+
 struct ReplayOptions {
   /// Check each replayed output's sizes, strides and dtype against the tape (the cheap part of the contract).
   bool check_metadata = true;
+  /// Borrowed; null: every op runs as recorded.
+  const OpOverride* op_override = nullptr;
 };
 
 /// Predicted peak bytes a replay of `plan` (the pruned closure of `targets`) allocates, from the tape's sizes:

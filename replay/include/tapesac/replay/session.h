@@ -24,6 +24,7 @@
 #include "tapesac/allocator/limit.h"
 #include "tapesac/allocator/telemetry.h"
 #include "tapesac/capture/recorder.h"
+#include "tapesac/replay/approx.h"
 #include "tapesac/replay/eager_replayer.h"
 #include "tapesac/replay/preserve.h"
 
@@ -88,7 +89,7 @@ struct ReplayRecord {
   std::string block;
   int64_t value = -1;
   std::string op;      // the op that produced the value's bytes
-  std::string status;  // "match", "recovered", "rejected" or "divergent"
+  std::string status;  // "match", "recovered", "rejected", "divergent" or "approximated" (TapeSAC(approx=...))
   int64_t bytes = 0;
   int64_t ns = 0;      // duration of the replay that rebuilt it (shared by the values of one replay)
   int64_t replay = 0;  // index of that replay within the block call
@@ -150,6 +151,8 @@ struct BlockStats {
   int64_t planned = 0;
   uint64_t signature = 0;
   std::string capture_error;
+  /// Approximate rematerialization (Session::set_approx): what was matched and how many units replay recomputes.
+  ApproxStats approx;
 };
 
 /// One call of one block within a step. Thread-safe for pack/unpack after close_forward(); recording itself
@@ -256,6 +259,7 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   int64_t alive_slots_ = 0;
   std::unordered_map<capture::ValueId, at::Tensor> cache_;
   ReplayStats replay_stats_;
+  std::unique_ptr<BlockApprox> approx_;  // null: exact replay
   int64_t replays_ = 0;
   BlockStats closed_stats_;
 };
@@ -312,6 +316,9 @@ class Session {
   /// view is valid only during the call. Used by the planner's bindings to build problems and costs.
   void set_tape_observer(std::function<void(const BlockTapeView&)> observer) { observer_ = std::move(observer); }
   const std::function<void(const BlockTapeView&)>& tape_observer() const { return observer_; }
+  /// Approximate rematerialization for later steps (null: off). Between steps only.
+  void set_approx(std::shared_ptr<Approx> approx);
+  Approx* approx() const { return approx_.get(); }
   /// Preservation chosen per storage (the keys of PreservedStorage): `modes` overrides the session's mode for a
   /// storage, and the dropped values whose replay would read a storage in `keep` are kept instead. Between steps.
   void set_preservation(std::unordered_map<const void*, PreserveMode> modes, std::unordered_set<const void*> keep);
@@ -343,6 +350,7 @@ class Session {
   StepMemoryStats last_memory_;
   std::unordered_map<std::string, BlockPlan> plans_;
   std::function<void(const BlockTapeView&)> observer_;
+  std::shared_ptr<Approx> approx_;
   std::shared_ptr<WriteWatcher> watcher_;
   std::unordered_map<const void*, PreserveMode> preserve_modes_;
   std::unordered_set<const void*> keep_dependents_;

@@ -134,7 +134,6 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             one(name, sacs[name], models[name])
     for name in times:
         times[name].clear(), peaks[name].clear(), held[name].clear()
-    measured = [peaks[m] for m in ("keep", "snapshots", "regions")]
     for _ in range(args.rounds):
         for name in models:
             one(name, sacs[name], models[name])
@@ -161,7 +160,6 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             step(models["keep"], x, ids, it)
         keep_again.append(time.perf_counter() - t0)
         models["keep"].zero_grad(set_to_none=True)
-    del measured
     res = {
         "workload": kind,
         "buffer_bytes": rows * d * 4,

@@ -47,14 +47,11 @@ class AutoPlanner {
     const auto t0 = std::chrono::steady_clock::now();
     const Prepared prep = prepare();
     const planner::StepInput& input = prep.input;
-    const std::vector<int64_t>& kept_ref = prep.kept_ref;
-    const std::vector<int64_t>& ws_ref = prep.ws_ref;
-    const int64_t sum_kept = prep.sum_kept;
-    const int64_t max_ws = prep.max_ws;
-    const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, sum_kept, max_ws);
+    const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, prep.sum_kept, prep.max_ws);
     // The sequence model, calibrated on the last step whose every block call replayed (its memory profile is
     // complete); kept while the calls stay the same.
-    const planner::SequencePeakModel seq = planner::SequencePeakModel::calibrate(step_profile(), kept_ref, ws_ref);
+    const planner::SequencePeakModel seq =
+        planner::SequencePeakModel::calibrate(step_profile(), prep.kept_ref, prep.ws_ref);
     if (seq.valid) {
       seq_ = seq;
     } else if (seq_.backward_c.size() != calls_.size()) {

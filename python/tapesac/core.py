@@ -561,11 +561,9 @@ class TapeSAC:
         elif not self._preserve_choices and not written:
             return  # nothing written yet
         else:
-            if self._preserve_choices or written:
-                tried = self._preserve_trying
-                cost = st.replay_ms + sum(p["save_ns"] + p["restore_ns"] for p in st.preserved) / 1e6
-                peak = st.memory.peak_bytes if st.memory else 0
-                self._preserve_trials.append(_preserve.Trial(tried, peak, cost))
+            cost = st.replay_ms + sum(p["save_ns"] + p["restore_ns"] for p in st.preserved) / 1e6
+            peak = st.memory.peak_bytes if st.memory else 0
+            self._preserve_trials.append(_preserve.Trial(self._preserve_trying, peak, cost))
             untried = [m for m in _preserve.EXPLORED if m not in {t.mode for t in self._preserve_trials}]
             if untried:
                 mode = self._preserve_trying = untried[0]

@@ -365,13 +365,21 @@ TEST(GraphReplayer, RunsExactlyTheNeededOpsAndTogglesOnlyChangedNodes) {
   }
 }
 
+// One kernel node per op, in op order.
+GraphTopology one_kernel_per_op(int ops) {
+  GraphTopology topo;
+  for (int i = 0; i < ops; ++i) {
+    topo.kinds.push_back(NodeKind::kKernel);
+    topo.owner.push_back(i);
+  }
+  return topo;
+}
+
 TEST(GraphReplayer, LiveOutputsAreCopiedOutOrTheReplayFallsBack) {
   Builder b;
   const ValueId x = b.ext();
   b.op("aten::relu", {b.op("aten::mul", {x})});
-  GraphTopology topo;
-  topo.kinds = {NodeKind::kKernel, NodeKind::kKernel};
-  topo.owner = {0, 1};
+  const GraphTopology topo = one_kernel_per_op(2);
   FakeExec exec(topo);
   RecordingIo io;
   GraphReplayer small(b.tape, exec, {}, {64}, {/*copy_budget_bytes=*/64});
@@ -397,9 +405,7 @@ TEST(GraphReplayer, AnInputOfAnotherSizeFallsBackWithoutTouchingTheGraph) {
   Builder b;
   const ValueId x = b.ext();
   b.op("aten::relu", {b.op("aten::mul", {x})});
-  GraphTopology topo;
-  topo.kinds = {NodeKind::kKernel, NodeKind::kKernel};
-  topo.owner = {0, 1};
+  const GraphTopology topo = one_kernel_per_op(2);
   FakeExec exec(topo);
   RecordingIo io;
   GraphReplayer rep(b.tape, exec, {{0x1000, 64}}, {64}, {});

@@ -1,0 +1,52 @@
+// What the graph replayer (replay/graph_block.h) asks of the device that captures and launches executable graphs.
+// Two implementations: tapesac::cuda::CudaGraphDevice (capture/cuda/graph_device.h: at::cuda::CUDAGraph capture with
+// per-op node attribution, CUDA builds only) and replay::EmulatedGraphDevice (replay/graph_emulation.h: an
+// executable graph emulated with eager ops over static tensors, on any device, so the graph replayer's logic —
+// static buffers, staging, node disabling, relaunch liveness, RNG — is exercised end to end on CPU).
+//
+// Contract (one capture at a time per device object; all calls on the thread that replays):
+//  * begin_capture(): from now on, work issued on this thread is captured (CUDA: a side stream under
+//    cudaStreamCaptureModeThreadLocal; allocations come from the graph's pool, the replay arena when the device was
+//    given one). The static input tensors were allocated before; every tensor allocated until end_capture() lives
+//    at a fixed address for the graph's lifetime as long as the caller holds it.
+//  * after_op(op, args, outputs): tape op `op` was just issued with the boxed arguments `args` (tensors filled in,
+//    before the call) and returned `outputs` (flattened in return order; undefined for a None output). Ops are
+//    issued in tape order. The CUDA device attributes the nodes added since the previous op to `op`.
+//  * end_capture(): the executable graph, or null with `*error` saying why the capture failed (then nothing of it
+//    is left behind). abort_capture() ends a capture that the caller abandons (an exception mid-run); never throws.
+//  * before_launch(exec, random_ops, captured, current): make the graph's random ops (`random_ops`, ascending tape
+//    order, all of them enabled or not) draw exactly the numbers the forward of the block call being replayed drew.
+//    `captured` are the payloads of the block call the graph was captured from, `current` those of the call being
+//    replayed (both indexed by OpIndex). Returns "" when the launch may go ahead (then after_launch() must follow,
+//    also when the launch throws), or why it cannot (the caller replays eagerly; nothing to undo).
+//  * stage(dst, src): copies `src` into the static tensor `dst` on the stream the graph launches on.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
+
+#include "tapesac/capture/exec_graph.h"
+#include "tapesac/capture/op_payload.h"
+
+namespace tapesac::capture {
+
+class GraphDevice {
+ public:
+  virtual ~GraphDevice() = default;
+  /// "cuda_graph" or "emulated".
+  virtual const char* name() const = 0;
+  virtual void begin_capture() = 0;
+  virtual void after_op(OpIndex op, const torch::jit::Stack& args, const std::vector<at::Tensor>& outputs) = 0;
+  virtual std::unique_ptr<ExecGraph> end_capture(std::string* error) = 0;
+  virtual void abort_capture() noexcept = 0;
+  virtual std::string before_launch(ExecGraph& exec, const std::vector<OpIndex>& random_ops,
+                                    const std::vector<OpPayload>& captured, const std::vector<OpPayload>& current) = 0;
+  virtual void after_launch(ExecGraph& exec) noexcept = 0;
+  virtual void stage(const at::Tensor& dst, const at::Tensor& src) = 0;
+};
+
+}  // namespace tapesac::capture

@@ -6,6 +6,7 @@
 #include "bindings.h"
 #include "tapesac/capture/errors.h"
 #include "tapesac/capture/recorder.h"
+#include "tapesac/replay/graph_emulation.h"
 #include "tapesac/replay/session.h"
 
 namespace py = pybind11;
@@ -52,6 +53,15 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["approx_kv_heads_total"] = s.approx.kv_heads_total;
   d["approx_kv_heads_recomputed"] = s.approx.kv_heads_recomputed;
   d["approx_kept_values"] = s.approx.kept_values;
+  d["graph_replays"] = s.graph_replays;
+  d["graph_captures"] = s.graph_captures;
+  d["graph_warmups"] = s.graph_warmups;
+  d["graph_fallbacks"] = s.graph_fallbacks;
+  d["graph_fallback"] = s.graph_fallback;
+  d["graph_detail"] = s.graph_detail;
+  d["graph_staged_bytes"] = s.graph_staged_bytes;
+  d["graph_nodes_enabled"] = s.graph_nodes_enabled;
+  d["graph_nodes_disabled"] = s.graph_nodes_disabled;
   return d;
 }
 
@@ -90,10 +100,16 @@ replay::PreserveMode parse_preserve(const std::string& mode) {
 }  // namespace
 
 void bind_replay(py::module_& m) {
+  // Opaque: made by emulated_graph_device() here or cuda_graph_device() (CUDA builds), passed to Session.
+  py::class_<capture::GraphDevice, std::shared_ptr<capture::GraphDevice>>(m, "GraphDevice")
+      .def_property_readonly("name", [](const capture::GraphDevice& d) { return std::string(d.name()); });
+  m.def("emulated_graph_device", &replay::make_emulated_graph_device,
+        "A graph device that emulates executable graphs with eager ops over static tensors (tests, any device).");
   py::class_<Session>(m, "Session")
       .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
                        bool check_bytes, int64_t memory_limit, size_t timeline_points, py::object arena_pool,
-                       int arena_device, const std::string& preserve) {
+                       int arena_device, const std::string& preserve,
+                       std::shared_ptr<capture::GraphDevice> graph_device, int graph_warmup, size_t max_graphs) {
              SessionOptions o;
              if (policy == "none") {
                o.policy = PolicyKind::kNone;
@@ -123,13 +139,24 @@ void bind_replay(py::module_& m) {
                o.arena_pool_id = arena_pool.cast<std::pair<uint64_t, uint64_t>>();
                o.arena_device = arena_device;
              }
+             TAPESAC_CHECK(graph_warmup >= 0, kConfig, "graph_warmup must be >= 0 replays, got ", graph_warmup);
+             TAPESAC_CHECK(max_graphs >= 1, kConfig, "max_graphs must be >= 1, got ", max_graphs);
+             o.graph_device = std::move(graph_device);
+             o.graph.warmup = graph_warmup;
+             o.graph.max_graphs = max_graphs;
              return std::make_unique<Session>(std::move(o));
            }),
            py::arg("policy"), py::arg("save_op") = py::none(), py::arg("check_versions") = true,
            py::arg("check_metadata") = true, py::arg("check_bytes") = false, py::arg("memory_limit") = 0,
            py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0,
-           py::arg("preserve") = "regions")
+           py::arg("preserve") = "regions", py::arg("graph_device") = nullptr, py::arg("graph_warmup") = 1,
+           py::arg("max_graphs") = 8)
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
+      .def_property_readonly("graph_count",
+                             [](const Session& s) { return s.graph_cache() ? s.graph_cache()->graphs() : size_t{0}; })
+      .def_property_readonly("graph_static_bytes", [](const Session& s) {
+        return s.graph_cache() ? s.graph_cache()->static_bytes() : int64_t{0};
+      })
       .def(
           "set_approx",
           [](Session& s, double fraction, const std::string& method, bool mlp, bool attn, uint64_t seed,

@@ -31,7 +31,7 @@ from .preserve import PRESERVE_MODES
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
 POLICIES = ("none", "full", "auto")
-BACKENDS = ("auto", "eager", "cuda_graph")
+BACKENDS = ("auto", "eager", "cuda_graph", "emulated_graph")
 CONTRACTS = ("check", "strict", "off")
 MAX_PRESERVE_CHOICES = 1024
 HISTORY_STEPS = 1000
@@ -113,7 +113,12 @@ class BlockStats(_Counts):
     ``approx_units_total`` their hidden units and ``approx_units_recomputed`` how many replay recomputes; the same for
     attention (``approx_attn``, ``approx_attn_skipped``, ``approx_heads_total``, ``approx_heads_recomputed``, and
     ``approx_kv_heads_*`` for its key/value heads);
-    ``approx_kept_values``: dropped values kept because their replay would read an approximated output."""
+    ``approx_kept_values``: dropped values kept because their replay would read an approximated output.
+    With a graph backend (README "GPU backend"): ``graph_replays`` replays launched as a pruned graph,
+    ``graph_captures`` graphs this call's replays captured, ``graph_warmups`` eager warm-up replays,
+    ``graph_fallbacks`` replays that ran eagerly instead, with the last one's ``graph_fallback`` reason and
+    ``graph_detail``; ``graph_staged_bytes`` bytes copied into the graph's static buffers; ``graph_nodes_enabled`` /
+    ``graph_nodes_disabled`` the node mask of the last launch."""
 
     name: str
     replay_peak_bytes: int = 0
@@ -131,6 +136,15 @@ class BlockStats(_Counts):
     approx_kv_heads_total: int = 0
     approx_kv_heads_recomputed: int = 0
     approx_kept_values: int = 0
+    graph_replays: int = 0
+    graph_captures: int = 0
+    graph_warmups: int = 0
+    graph_fallbacks: int = 0
+    graph_fallback: str = ""
+    graph_detail: str = ""
+    graph_staged_bytes: int = 0
+    graph_nodes_enabled: int = 0
+    graph_nodes_disabled: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +171,11 @@ class StepStats(_Counts):
     # bytes, save/restore time; and the replay records' counts by status ("match", "recovered", ...).
     preserved: tuple[dict[str, Any], ...] = ()
     record_counts: dict[str, int] = field(default_factory=dict)
+    # Graph backend: totals over the blocks, and the eager fallbacks by reason.
+    graph_replays: int = 0
+    graph_captures: int = 0
+    graph_fallbacks: int = 0
+    graph_fallback_reasons: dict[str, int] = field(default_factory=dict)
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -235,20 +254,20 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    """The replay backend for `backend` (validated) on `device`: "eager" for now (see the docstring of TapeSAC)."""
+    """The replay backend for `backend` (validated) on `device` (see the docstring of TapeSAC)."""
+    has_graphs = getattr(_C, "has_cuda_backend", False) and hasattr(_C, "cuda_graph_device")
     if backend == "cuda_graph":
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ConfigError(
                 f"backend='cuda_graph' needs a CUDA device: the model is on {device} (torch.cuda.is_available() = "
                 f"{torch.cuda.is_available()}); use backend='eager', or 'auto', which picks eager there")
-        if not getattr(_C, "has_cuda_backend", False):
+        if not has_graphs:
             raise ConfigError("backend='cuda_graph' needs tapesac built with its GPU backend (this build has none); "
                               "rebuild where nvcc and a CUDA torch are present, or use backend='eager'")
-        raise ConfigError(
-            "backend='cuda_graph': the CUDA-graph replayer is not wired into TapeSAC's step yet (its C++ capture, "
-            "pruning and relaunch checks exist, see README 'GPU backend'); use backend='eager', or 'auto', which "
-            "picks eager for now")
-    return "eager"
+        return "cuda_graph"
+    if backend == "auto":
+        return "cuda_graph" if device.type == "cuda" and has_graphs and torch.cuda.is_available() else "eager"
+    return backend
 
 
 def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
@@ -331,9 +350,13 @@ class TapeSAC:
             device's memory (``"90%"``; on CPU of physical RAM). Enforced during replay: a replay that would not fit
             runs in pieces, and one that cannot fit raises MemoryLimitError. With a limit, the default policy is
             ``"auto"`` (the planner).
-        backend: ``"auto"``, ``"eager"`` or ``"cuda_graph"``. ``"auto"`` picks eager replay (the CUDA-graph
-            replayer is not wired into the step yet, see README "GPU backend"); ``"cuda_graph"`` raises ConfigError:
-            without a CUDA device it cannot run, and with one it is not wired yet. ``backend`` holds the choice.
+        backend: ``"auto"``, ``"eager"``, ``"cuda_graph"`` or ``"emulated_graph"``. ``"cuda_graph"`` replays each
+            block as a pruned CUDA graph (one capture per distinct block, after one eager warm-up replay; a block
+            that cannot be captured or launched replays eagerly, and ``StepStats``/``BlockStats`` say why); it
+            needs a CUDA model and a build with the GPU backend (ConfigError otherwise). ``"auto"`` picks
+            ``"cuda_graph"`` when both are there, else ``"eager"``. ``"emulated_graph"`` runs the same graph replayer
+            with an emulated executable graph on any device (for tests; slower than eager). ``backend`` holds the
+            choice.
         contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor, metadata checks
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
@@ -410,8 +433,14 @@ class TapeSAC:
             # One private pool for every replay of this instance: the replay arena (allocator/limit.h).
             self._arena_pool = torch.cuda.MemPool()
             arena = tuple(int(i) for i in self._arena_pool.id)
+        graph_device = None
+        if self.backend == "cuda_graph":
+            # Graphs are captured into the replay arena: their static memory is part of it.
+            graph_device = _C.cuda_graph_device(self._device.index or 0, arena)
+        elif self.backend == "emulated_graph":
+            graph_device = _C.emulated_graph_device()
         self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
-                                   memory_limit=limit or 0, arena_pool=arena,
+                                   memory_limit=limit or 0, arena_pool=arena, graph_device=graph_device,
                                    arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0,
                                    preserve="off" if preserve == "off" or not check else
                                    "snapshots" if preserve == "snapshots" else "regions")
@@ -721,6 +750,15 @@ class TapeSAC:
                 approx_kv_heads_total=b["approx_kv_heads_total"],
                 approx_kv_heads_recomputed=b["approx_kv_heads_recomputed"],
                 approx_kept_values=b["approx_kept_values"],
+                graph_replays=b["graph_replays"],
+                graph_captures=b["graph_captures"],
+                graph_warmups=b["graph_warmups"],
+                graph_fallbacks=b["graph_fallbacks"],
+                graph_fallback=b["graph_fallback"],
+                graph_detail=b["graph_detail"],
+                graph_staged_bytes=b["graph_staged_bytes"],
+                graph_nodes_enabled=b["graph_nodes_enabled"],
+                graph_nodes_disabled=b["graph_nodes_disabled"],
             )
             for b in raw
         )
@@ -755,6 +793,10 @@ class TapeSAC:
             approx_kept_values=sum(b.approx_kept_values for b in blocks),
             preserved=tuple(dict(p) for p in self._session.last_preserved()),
             record_counts=dict(collections.Counter(r["status"] for r in self._session.last_records())),
+            graph_replays=sum(b.graph_replays for b in blocks),
+            graph_captures=sum(b.graph_captures for b in blocks),
+            graph_fallbacks=sum(b.graph_fallbacks for b in blocks),
+            graph_fallback_reasons=dict(collections.Counter(b.graph_fallback for b in blocks if b.graph_fallbacks)),
         )
 
     def _warn_unmatched(self) -> None:

@@ -50,21 +50,6 @@ class GeneratorRestorer {
   std::map<c10::GeneratorImpl*, Entry> saved_;
 };
 
-void flatten_outputs(const torch::jit::Stack& stack, std::vector<at::Tensor>& out) {
-  for (const c10::IValue& o : stack) {
-    if (o.isTensor()) {
-      out.push_back(o.toTensor());
-    } else if (o.isTensorList()) {
-      for (const at::Tensor& t : o.toTensorList().vec()) out.push_back(t);
-    } else if (o.isList()) {
-      for (const c10::IValue& e : o.toListRef()) {
-        if (e.isTensor()) out.push_back(e.toTensor());
-        else if (e.isNone()) out.emplace_back();
-      }
-    }
-  }
-}
-
 std::string describe(const std::vector<int64_t>& v) {
   std::ostringstream os;
   os << "[";
@@ -106,37 +91,27 @@ int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std
   return peak;
 }
 
-std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,
-                                               const ReplayOptions& options, ReplayStats* stats) {
+namespace {
+
+/// Runs `ops` in order over `env` (indexed by ValueId). `last_use`/`is_target` (may be null: keep everything) let it
+/// free each intermediate after its last reader.
+void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const std::vector<int32_t>* last_use,
+             const std::vector<uint8_t>* is_target, const ReplayOptions& options, std::vector<at::Tensor>& env,
+             ReplayStats* stats) {
   const Tape& tape = *source.tape;
   const auto& payloads = *source.payloads;
   const auto& live = *source.live;
   const auto& available = *source.available;
-  const auto t0 = std::chrono::steady_clock::now();
-
-  PruneResult plan = prune(tape, targets, available);
-  TAPESAC_CHECK(plan.ok, kReplayContract, "tapesac cannot rebuild a dropped tensor: ", plan.reason,
-                ". This tensor should have been kept; please report this with the model that triggers it.");
-
-  const size_t nvalues = tape.values().size();
-  std::vector<uint8_t> is_target(nvalues, 0);
-  for (const Read& r : targets) is_target[static_cast<size_t>(r.value)] = 1;
-  // Position in plan.ops of each value's last read, to free replayed intermediates early.
-  std::vector<int32_t> last_use(nvalues, -1);
-  for (size_t k = 0; k < plan.ops.size(); ++k) {
-    for (const ArgRef& a : tape.op(plan.ops[k]).inputs) last_use[static_cast<size_t>(a.value)] = static_cast<int32_t>(k);
-  }
-
-  std::vector<at::Tensor> env(nvalues);
   GeneratorRestorer restorer;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   // The tape holds the ops autocast produced (casts included): replay runs exactly those, whatever autocast state
   // the backward runs under.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   std::vector<at::Tensor> outs;
+  std::vector<c10::IValue> observed_args;
 
-  for (size_t k = 0; k < plan.ops.size(); ++k) {
-    const OpIndex i = plan.ops[k];
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const OpIndex i = ops[k];
     const OpRecord& rec = tape.op(i);
     const OpPayload& payload = payloads.at(static_cast<size_t>(i));
     TAPESAC_INTERNAL_ASSERT(payload.handle.has_value(), "op ", op_label(tape, i), " has no operator handle");
@@ -148,6 +123,9 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
       const ReadSource src = classify_read(tape, available, a.value, a.state, a.meta_only);
       const at::Tensor& t = src == ReadSource::kLive ? live[static_cast<size_t>(a.value)] : env[static_cast<size_t>(a.value)];
       TAPESAC_INTERNAL_ASSERT(t.defined(), "replay of op ", op_label(tape, i), " is missing its input v", a.value);
+      if (src == ReadSource::kLive && !env[static_cast<size_t>(a.value)].defined() && last_use == nullptr) {
+        env[static_cast<size_t>(a.value)] = t;  // run_ops returns the live values read too
+      }
       c10::IValue& slot = stack.at(static_cast<size_t>(a.arg));
       if (a.elem < 0) {
         slot = t;
@@ -170,7 +148,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
         list.set(static_cast<size_t>(a.elem), t);
       }
     }
-    if (payload.generator.has_value()) {
+    if (options.set_rng && payload.generator.has_value()) {
       const auto garg = static_cast<size_t>(payload.generator_arg);
       if (payload.generator_arg >= 0 && garg < stack.size()) {
         // A private generator at the recorded state: the shared one (other threads may be drawing from it) is
@@ -193,6 +171,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
         gen.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
       }
     }
+    if (options.observer != nullptr) observed_args.assign(stack.begin(), stack.end());
 
     if (options.op_override == nullptr || !options.op_override->run(i, stack)) payload.handle->callBoxed(stack);
 
@@ -219,13 +198,16 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
       }
       env[static_cast<size_t>(v)] = t;
     }
-    for (const ArgRef& a : rec.inputs) {
-      const auto v = static_cast<size_t>(a.value);
-      if (last_use[v] == static_cast<int32_t>(k) && !is_target[v]) env[v].reset();
-    }
-    for (ValueId v : rec.outputs) {
-      if (v >= 0 && last_use[static_cast<size_t>(v)] < 0 && !is_target[static_cast<size_t>(v)]) {
-        env[static_cast<size_t>(v)].reset();  // an output nobody in the closure reads
+    if (options.observer != nullptr) options.observer->after_op(i, observed_args, outs);
+    if (last_use != nullptr) {
+      for (const ArgRef& a : rec.inputs) {
+        const auto v = static_cast<size_t>(a.value);
+        if ((*last_use)[v] == static_cast<int32_t>(k) && !(*is_target)[v]) env[v].reset();
+      }
+      for (ValueId v : rec.outputs) {
+        if (v >= 0 && (*last_use)[static_cast<size_t>(v)] < 0 && !(*is_target)[static_cast<size_t>(v)]) {
+          env[static_cast<size_t>(v)].reset();  // an output nobody in the closure reads
+        }
       }
     }
     if (stats != nullptr) {
@@ -233,6 +215,32 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
       ++stats->ops_by_kind[rec.kind];
     }
   }
+}
+
+}  // namespace
+
+std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,
+                                               const ReplayOptions& options, ReplayStats* stats) {
+  const Tape& tape = *source.tape;
+  const auto& live = *source.live;
+  const auto& available = *source.available;
+  const auto t0 = std::chrono::steady_clock::now();
+
+  PruneResult plan = prune(tape, targets, available);
+  TAPESAC_CHECK(plan.ok, kReplayContract, "tapesac cannot rebuild a dropped tensor: ", plan.reason,
+                ". This tensor should have been kept; please report this with the model that triggers it.");
+
+  const size_t nvalues = tape.values().size();
+  std::vector<uint8_t> is_target(nvalues, 0);
+  for (const Read& r : targets) is_target[static_cast<size_t>(r.value)] = 1;
+  // Position in plan.ops of each value's last read, to free replayed intermediates early.
+  std::vector<int32_t> last_use(nvalues, -1);
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    for (const ArgRef& a : tape.op(plan.ops[k]).inputs) last_use[static_cast<size_t>(a.value)] = static_cast<int32_t>(k);
+  }
+
+  std::vector<at::Tensor> env(nvalues);
+  execute(source, plan.ops, &last_use, &is_target, options, env, stats);
 
   std::unordered_map<ValueId, at::Tensor> result;
   for (const Read& r : targets) {
@@ -246,6 +254,28 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
     stats->ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }
   return result;
+}
+
+void flatten_outputs(const torch::jit::Stack& stack, std::vector<at::Tensor>& out) {
+  for (const c10::IValue& o : stack) {
+    if (o.isTensor()) {
+      out.push_back(o.toTensor());
+    } else if (o.isTensorList()) {
+      for (const at::Tensor& t : o.toTensorList().vec()) out.push_back(t);
+    } else if (o.isList()) {
+      for (const c10::IValue& e : o.toListRef()) {
+        if (e.isTensor()) out.push_back(e.toTensor());
+        else if (e.isNone()) out.emplace_back();
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> run_ops(const ReplaySource& source, const std::vector<OpIndex>& ops,
+                                const ReplayOptions& options) {
+  std::vector<at::Tensor> env(source.tape->values().size());
+  execute(source, ops, nullptr, nullptr, options, env, nullptr);
+  return env;
 }
 
 }  // namespace tapesac::replay

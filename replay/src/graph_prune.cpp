@@ -22,6 +22,12 @@ const char* to_string(GraphFallback reason) {
     case GraphFallback::kHostNodes: return "host_nodes";
     case GraphFallback::kNotPrunable: return "not_prunable";
     case GraphFallback::kOutputsLive: return "outputs_live";
+    case GraphFallback::kNotInGraph: return "not_in_graph";
+    case GraphFallback::kStagingConflict: return "staging_conflict";
+    case GraphFallback::kRngMismatch: return "rng_mismatch";
+    case GraphFallback::kUnsupportedArgs: return "unsupported_args";
+    case GraphFallback::kGraphLimit: return "graph_limit";
+    case GraphFallback::kMemoryLimit: return "memory_limit";
   }
   return "unknown";
 }

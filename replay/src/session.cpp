@@ -282,7 +282,8 @@ void BlockCall::close_forward() {
   }
   const bool planning = options_->policy == PolicyKind::kPlan;
   const bool observed = session_ != nullptr && static_cast<bool>(session_->tape_observer());
-  const uint64_t signature = (planning || observed) ? tape_signature(tape, decidable) : 0;
+  const bool graphed = session_ != nullptr && session_->graph_cache() != nullptr;
+  const uint64_t signature = (planning || observed || graphed) ? tape_signature(tape, decidable) : 0;
   st.signature = signature;
   const BlockPlan* plan = planning ? find_plan() : nullptr;
   const bool plan_applies = plan != nullptr && plan->signature == signature && plan->keep.size() == decidable.size();
@@ -558,17 +559,7 @@ std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read
   closed_stats_.predicted_replay_bytes = std::max(closed_stats_.predicted_replay_bytes, whole);
   const int64_t limit = options_->memory_limit;
   if (limit <= 0 || !memory_) return targets;
-  int64_t in_use = memory_->in_use();
-#ifdef TAPESAC_WITH_CUDA
-  const at::Tensor* sample = nullptr;
-  for (const at::Tensor& t : live_) {
-    if (t.defined()) {
-      sample = &t;
-      break;
-    }
-  }
-  if (sample != nullptr && sample->is_cuda()) in_use = cuda::allocated_bytes(sample->get_device());
-#endif
+  const int64_t in_use = in_use_now();
   int64_t piece = whole;
   std::vector<Read> piece_targets{wanted};
   PruneResult piece_plan;
@@ -589,6 +580,71 @@ std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read
       break;
   }
   throw Error(ErrorKind::kMemoryLimit, allocator::rejection_message(d, name_, "the backward (replay)"));
+}
+
+int64_t BlockCall::in_use_now() const {
+  int64_t in_use = memory_ ? memory_->in_use() : 0;
+#ifdef TAPESAC_WITH_CUDA
+  for (const at::Tensor& t : live_) {
+    if (!t.defined()) continue;
+    if (t.is_cuda()) in_use = cuda::allocated_bytes(t.get_device());
+    break;
+  }
+#endif
+  return in_use;
+}
+
+std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vector<Read>& targets,
+                                                               const PruneResult& plan,
+                                                               const std::vector<at::Tensor>& live) {
+  GraphCache* graphs = session_ != nullptr ? session_->graph_cache() : nullptr;
+  if (graphs == nullptr) return {};
+  BlockStats& st = closed_stats_;
+  if (approx_) {  // approximate replays run their own kernels, eagerly
+    ++st.graph_fallbacks;
+    st.graph_fallback = "approx";
+    st.graph_detail = "approximate rematerialization replays eagerly";
+    return {};
+  }
+  GraphCall call;
+  call.tape = &recorder_.tape();
+  call.payloads = &recorder_.payloads();
+  call.live = &live;
+  call.available = &available_;
+  call.signature = st.signature;
+  call.memory_limit = options_->memory_limit;
+  if (call.memory_limit > 0) {
+    // The graph's static memory stays for the rest of the step and every later one: it must fit on top of the
+    // step's peak so far and of the previous step's measured peak, not only of what is in use now.
+    call.in_use = in_use_now();
+    if (memory_ && memory_->counter) call.in_use = std::max(call.in_use, memory_->baseline + memory_->counter->total().peak);
+    call.last_peak = session_->last_peak();
+#ifdef TAPESAC_WITH_CUDA
+    for (const at::Tensor& t : live_) {
+      if (!t.defined()) continue;
+      if (t.is_cuda()) call.in_use = std::max(call.in_use, cuda::device_memory(t.get_device()).allocated_peak);
+      break;
+    }
+#endif
+  }
+  GraphReplayOutcome outcome;
+  auto out = graphs->replay(call, targets, plan, &outcome);
+  if (outcome.captured) ++st.graph_captures;
+  if (outcome.launched) {
+    ++st.graph_replays;
+    st.graph_staged_bytes += outcome.staged_bytes;
+    st.graph_nodes_enabled = static_cast<int64_t>(outcome.enabled_nodes);
+    st.graph_nodes_disabled = static_cast<int64_t>(outcome.disabled_nodes);
+    replay_stats_.ops += static_cast<int64_t>(plan.ops.size());
+    for (capture::OpIndex i : plan.ops) ++replay_stats_.ops_by_kind[recorder_.tape().op(i).kind];
+  } else if (outcome.warmup) {
+    ++st.graph_warmups;
+  } else {
+    ++st.graph_fallbacks;
+    st.graph_fallback = to_string(outcome.reason);
+    st.graph_detail = outcome.detail;
+  }
+  return out;
 }
 
 at::Tensor BlockCall::unpack(int32_t slot) {
@@ -633,7 +689,6 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     // Declared before the replay's tensors: the step's bytes are swapped back in only after the replay ends.
     std::vector<std::unique_ptr<WriteWatcher::Swap>> swaps;
     std::unordered_map<ValueId, at::Tensor> subs = resolve_live(plan, v, &recovered, &swaps);
-    targets = limit_targets(std::move(targets), Read{v, value_state_.at(v)}, plan);
     allocator::MemoryCounter* counter = memory_ ? memory_->counter.get() : nullptr;
     PhaseScope phase(counter, allocator::Phase::kReplay);
     const int64_t begin_ns = memory_ ? elapsed_ns(*memory_) : 0;
@@ -661,7 +716,16 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     }
 #endif
     const int64_t ns_before = replay_stats_.ns;
-    auto out = replay(src, targets, opts, &replay_stats_);
+    // A graph launch allocates nothing (its memory is static), so the limit is applied to eager replays only.
+    const auto t_graph = std::chrono::steady_clock::now();
+    auto out = replay_graph(targets, plan, *src.live);
+    if (!out.empty()) {
+      replay_stats_.ns +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_graph).count();
+    } else {
+      targets = limit_targets(std::move(targets), Read{v, value_state_.at(v)}, plan);
+      out = replay(src, targets, opts, &replay_stats_);
+    }
     if (approx_) approx_->finish(out);
     live_with_subs.clear();
     swaps.clear();  // the step's bytes back in the storages the replay read
@@ -734,7 +798,9 @@ std::vector<std::string> BlockCall::op_names() const {
   return names;
 }
 
-Session::Session(SessionOptions options) : options_(std::move(options)) {}
+Session::Session(SessionOptions options) : options_(std::move(options)) {
+  if (options_.graph_device) graphs_ = std::make_unique<GraphCache>(options_.graph_device, options_.graph);
+}
 
 Session::~Session() { end_step(); }
 
@@ -752,6 +818,7 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
     const at::Tensor& g = p.grad();
     if (g.defined() && g.has_storage() && counted.insert(storage_key(g)).second) baseline += storage_bytes(g);
   }
+  if (graphs_) baseline += graphs_->static_bytes();  // captured graphs hold their static tensors between steps
   blocks_.clear();
   if (!allocator_use_) allocator_use_ = std::make_unique<allocator::CountingAllocatorUse>();
   memory_ = std::make_shared<StepMemory>();
@@ -857,6 +924,12 @@ void Session::end_step() noexcept {
       memory_->records.clear();
     }
     m.memory_limit = options_.memory_limit;
+    last_peak_ = m.baseline + m.total.peak;
+#ifdef TAPESAC_WITH_CUDA
+    if (options_.arena_pool_id.first != 0 || options_.arena_pool_id.second != 0) {
+      last_peak_ = std::max(last_peak_, cuda::device_memory(options_.arena_device).allocated_peak);
+    }
+#endif
     last_memory_ = std::move(m);
   } catch (...) {
     last_memory_ = StepMemoryStats{};  // out of memory copying the timeline: the step's figures are lost

@@ -1,8 +1,8 @@
 """The `backend=` argument: validation and the backend each value resolves to.
 
-On CPU, "auto" and "eager" resolve to eager replay (exact), and "cuda_graph" raises ConfigError saying it needs a CUDA
-device. On a CUDA device "cuda_graph" still raises (the CUDA-graph replayer is not wired into the step yet) and
-"auto" resolves to eager; those cases are marked gpu.
+On CPU, "auto" and "eager" resolve to eager replay (exact), "cuda_graph" raises ConfigError saying it needs a CUDA
+device, and "emulated_graph" is accepted on any device. On a CUDA device with the GPU backend built, "auto" resolves
+to "cuda_graph"; those cases are marked gpu (test_graph_gpu.py runs the graph replays themselves).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_cuda_graph_on_cpu_needs_a_cuda_device(tapesac) -> None:
 def test_unknown_backend_lists_every_accepted_value(tapesac) -> None:
     with pytest.raises(tapesac.ConfigError) as ei:
         tapesac.TapeSAC(stack(), blocks="blocks.*", policy="full", backend="graph")
-    for accepted in ("auto", "eager", "cuda_graph"):
+    for accepted in ("auto", "eager", "cuda_graph", "emulated_graph"):
         assert accepted in str(ei.value)
 
 
@@ -41,12 +41,16 @@ def test_auto_backend_step_is_exact_on_cpu() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_on_cuda_is_refused_until_wired(tapesac) -> None:
+def test_auto_picks_cuda_graph_on_cuda(tapesac) -> None:
     model = stack().cuda()
-    with pytest.raises(tapesac.ConfigError) as ei:
-        tapesac.TapeSAC(model, blocks="blocks.*", policy="full", backend="cuda_graph")
-    assert "not wired" in str(ei.value) or "GPU backend" in str(ei.value)
-    assert tapesac.TapeSAC(model, blocks="blocks.*", policy="full", backend="auto").backend == "eager"
+    assert tapesac.TapeSAC(model, blocks="blocks.*", policy="full", backend="cuda_graph").backend == "cuda_graph"
+    want = "cuda_graph" if tapesac._C.has_cuda_backend else "eager"
+    assert tapesac.TapeSAC(model, blocks="blocks.*", policy="full", backend="auto").backend == want
+
+
+def test_emulated_graph_is_accepted_on_cpu(tapesac) -> None:
+    assert tapesac.TapeSAC(stack(), blocks="blocks.*", policy="full", backend="emulated_graph").backend == \
+        "emulated_graph"
 
 
 @pytest.mark.gpu

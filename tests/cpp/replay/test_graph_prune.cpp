@@ -1,7 +1,8 @@
 // Tests of the CUDA-graph backend's logic on CPU (capture/exec_graph.h, replay/graph_prune.h): node attribution from
 // capture snapshots, the enabled mask of a pruned replay on random tapes, capturability and fallback reasons, the
-// relaunch-liveness state machine, input staging, and the graph replayer driving a fake executable graph that
-// "runs" its enabled nodes and reports which tape ops ran.
+// relaunch-liveness state machine, input staging, the graph replayer driving a fake executable graph that
+// "runs" its enabled nodes and reports which tape ops ran, and which ops a session's capture leaves out
+// (graph_block.h: tainted_ops, hash_constants).
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -15,6 +16,7 @@
 #include "tapesac/capture/exec_graph.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tape.h"
+#include "tapesac/replay/graph_block.h"
 #include "tapesac/replay/graph_prune.h"
 #include "tapesac/replay/prune.h"
 
@@ -416,6 +418,72 @@ TEST(GraphReplayer, AnInputOfAnotherSizeFallsBackWithoutTouchingTheGraph) {
   EXPECT_EQ(exec.launches, 0);
   EXPECT_TRUE(io.staged.empty());
   EXPECT_FALSE(rep.outputs().live(0));
+}
+
+
+// --- What a capture leaves out (graph_block.h, Note [What a graph captures]) -------------------------------------
+
+TEST(TaintedOps, AnOpThatMustNotRerunTaintsItsReadersUnlessItsResultIsKept) {
+  Builder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("test::a", {x});
+  const ValueId w = b.op("test::writes_state", {a}, capture::kWritesExternal);
+  const ValueId c = b.op("test::c", {w});
+  b.op("test::d", {c, a});
+  std::vector<uint8_t> live;
+  // Nothing kept: the writer and everything downstream of it stay out of the graph.
+  std::vector<uint8_t> available(b.tape.values().size(), 0);
+  EXPECT_EQ(tainted_ops(b.tape, available, &live), (std::vector<uint8_t>{0, 1, 1, 1}));
+  EXPECT_EQ(live[static_cast<size_t>(x)], 1);
+  EXPECT_EQ(live[static_cast<size_t>(w)], 0);
+  // The writer's result kept: the graph reads it from a static buffer and holds its readers.
+  available[static_cast<size_t>(w)] = 1;
+  EXPECT_EQ(tainted_ops(b.tape, available, &live), (std::vector<uint8_t>{0, 1, 0, 0}));
+  EXPECT_EQ(live[static_cast<size_t>(w)], 1);
+  EXPECT_EQ(live[static_cast<size_t>(a)], 0);  // made inside the graph
+  // Kept values of untainted ops change nothing: one capture serves every plan.
+  available[static_cast<size_t>(c)] = 1;
+  EXPECT_EQ(tainted_ops(b.tape, available, &live), (std::vector<uint8_t>{0, 1, 0, 0}));
+  EXPECT_EQ(live[static_cast<size_t>(c)], 0);
+}
+
+TEST(TaintedOps, ANonReplayableInPlaceWriterTaintsLaterReadersOfTheStorage) {
+  Builder b;
+  const ValueId x = b.ext();
+  const ValueId a = b.op("test::a", {x});
+  // An in-place op on a's storage that must not re-run (state 1 -> 2), then a reader of the new state.
+  OpRecord rec;
+  rec.kind = capture::intern_op_kind("test::inplace_effect_");
+  rec.flags = capture::kNonReplayable;
+  ArgRef in;
+  in.value = a;
+  in.state = 1;
+  rec.inputs.push_back(in);
+  const StorageId s = b.tape.value(a).storage;
+  rec.writes.push_back(s);
+  rec.outputs.push_back(b.tape.add_output_value(s, 2, meta_of(16)));
+  b.tape.add_op(std::move(rec));
+  const ValueId a2 = b.tape.ops().back().outputs[0];
+  b.op("test::reader", {a2});
+  std::vector<uint8_t> available(b.tape.values().size(), 0);
+  EXPECT_EQ(tainted_ops(b.tape, available, nullptr), (std::vector<uint8_t>{0, 1, 1}));
+}
+
+TEST(HashConstants, SameConstantsSameHashAndObjectsAreRefused) {
+  std::vector<capture::OpPayload> p(2);
+  p[0].args.push_back(c10::IValue());
+  p[0].args.push_back(c10::IValue(0.5));
+  p[1].args.push_back(c10::IValue(std::vector<int64_t>{1, 2}));
+  p[1].args.push_back(c10::IValue(std::string("tanh")));
+  uint64_t h1 = 0, h2 = 0;
+  ASSERT_TRUE(hash_constants(p, {0, 1}, &h1));
+  ASSERT_TRUE(hash_constants(p, {0, 1}, &h2));
+  EXPECT_EQ(h1, h2);
+  p[0].args[1] = c10::IValue(0.25);  // another scale: another graph
+  ASSERT_TRUE(hash_constants(p, {0, 1}, &h2));
+  EXPECT_NE(h1, h2);
+  p[1].args[1] = c10::IValue(c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get()));
+  EXPECT_FALSE(hash_constants(p, {0, 1}, &h2));
 }
 
 }  // namespace

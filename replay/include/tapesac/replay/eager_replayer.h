@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/stack.h>
 
 #include "tapesac/capture/op_payload.h"
 #include "tapesac/capture/tape.h"
@@ -40,11 +41,25 @@ class OpOverride {
   virtual bool run(OpIndex op, std::vector<c10::IValue>& stack) const = 0;
 };
 
+/// Sees every op a replay runs, after it ran (the graph replayer captures a block this way).
+class ReplayObserver {
+ public:
+  virtual ~ReplayObserver() = default;
+  /// `args`: the op's boxed arguments with tensors filled in, as passed to the call; `outputs`: its returned
+  /// tensors flattened in return order.
+  virtual void after_op(OpIndex op, const std::vector<c10::IValue>& args, const std::vector<at::Tensor>& outputs) = 0;
+};
+
 struct ReplayOptions {
   /// Check each replayed output's sizes, strides and dtype against the tape (the cheap part of the contract).
   bool check_metadata = true;
   /// Borrowed; null: every op runs as recorded.
   const OpOverride* op_override = nullptr;
+  /// Put each random op's generator at its recorded state for the call (false under graph capture: the captured
+  /// kernels take their offsets from the graph's launch, see graph_block.h).
+  bool set_rng = true;
+  /// Borrowed; null: none.
+  ReplayObserver* observer = nullptr;
 };
 
 /// Predicted peak bytes a replay of `plan` (the pruned closure of `targets`) allocates, from the tape's sizes:
@@ -58,5 +73,15 @@ int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std
 /// the same source; generator states are restored even when it throws.
 std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,
                                                const ReplayOptions& options, ReplayStats* stats);
+
+/// Appends the tensors an op left on `stack` to `out`, flattened in return order (Tensor[] expanded; an undefined
+/// tensor for a None element of Tensor?[]).
+void flatten_outputs(const torch::jit::Stack& stack, std::vector<at::Tensor>& out);
+
+/// Runs `ops` (ascending tape order; every input must be live or produced by an earlier op of the list) and keeps
+/// every value they produce: returns the tensors indexed by ValueId (live values the ops read included, undefined
+/// for the rest). Used to capture a block as a graph. Same errors as replay().
+std::vector<at::Tensor> run_ops(const ReplaySource& source, const std::vector<OpIndex>& ops,
+                                const ReplayOptions& options);
 
 }  // namespace tapesac::replay

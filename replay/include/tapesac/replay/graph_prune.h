@@ -47,6 +47,12 @@ enum class GraphFallback : uint8_t {
   kHostNodes,           ///< the graph has host-function nodes (a host side effect would repeat at each launch)
   kNotPrunable,         ///< an op that must not re-run owns a node that cannot be disabled, or prune() failed
   kOutputsLive,         ///< outputs of the previous launch are still referenced and too large to copy out
+  kNotInGraph,          ///< the replay needs an op the capture left out (it reads state the graph cannot hold)
+  kStagingConflict,     ///< a value the replay reads live lives in memory that an op of the replay writes
+  kRngMismatch,         ///< the graph's random ops cannot draw what this call's forward drew
+  kUnsupportedArgs,     ///< an op's constant arguments cannot be compared across block calls
+  kGraphLimit,          ///< the session already holds its maximum number of captured graphs
+  kMemoryLimit,         ///< capturing the block would not fit under the memory limit
 };
 
 /// Stable snake_case name ("memory_nodes", ...) for telemetry.

@@ -26,6 +26,7 @@
 #include "tapesac/capture/recorder.h"
 #include "tapesac/replay/approx.h"
 #include "tapesac/replay/eager_replayer.h"
+#include "tapesac/replay/graph_block.h"
 #include "tapesac/replay/preserve.h"
 
 namespace tapesac::replay {
@@ -74,6 +75,9 @@ struct SessionOptions {
   /// session allocates from — the replay arena; {0, 0}: replays use the default pool.
   std::pair<uint64_t, uint64_t> arena_pool_id{0, 0};
   int arena_device = 0;
+  /// Graph replay (graph_block.h): the device that captures and launches block graphs; null: eager replay only.
+  std::shared_ptr<capture::GraphDevice> graph_device;
+  GraphOptions graph;
 };
 
 /// A span of the step's timeline: one block's forward or one replay.
@@ -153,6 +157,18 @@ struct BlockStats {
   std::string capture_error;
   /// Approximate rematerialization (Session::set_approx): what was matched and how many units replay recomputes.
   ApproxStats approx;
+  /// Graph replay (SessionOptions::graph_device): replays launched as a graph, graphs captured by this call's
+  /// replays, eager warm-up replays, eager fallbacks with the last fallback's reason (to_string(GraphFallback),
+  /// "approx" or "" when none) and detail, bytes staged into static buffers, and the nodes of the last launch.
+  int64_t graph_replays = 0;
+  int64_t graph_captures = 0;
+  int64_t graph_warmups = 0;
+  int64_t graph_fallbacks = 0;
+  std::string graph_fallback;
+  std::string graph_detail;
+  int64_t graph_staged_bytes = 0;
+  int64_t graph_nodes_enabled = 0;
+  int64_t graph_nodes_disabled = 0;
 };
 
 /// One call of one block within a step. Thread-safe for pack/unpack after close_forward(); recording itself
@@ -225,6 +241,12 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when
   /// even `wanted` alone cannot fit.
   std::vector<Read> limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan);
+  /// Bytes in use now as the memory limit sees them (the device allocator's figure on CUDA).
+  int64_t in_use_now() const;
+  /// Replays `targets` through the session's graph cache; empty when it ran nothing (warm-up or fallback: the
+  /// caller replays eagerly). Updates the graph fields of the stats.
+  std::unordered_map<ValueId, at::Tensor> replay_graph(const std::vector<Read>& targets, const PruneResult& plan,
+                                                       const std::vector<at::Tensor>& live);
 
   /// The plan for this call (kPlan), looked up by name at close_forward(); null when none.
   const BlockPlan* find_plan() const;
@@ -328,6 +350,10 @@ class Session {
   const std::vector<PreservedStorage>& last_preserved() const { return last_preserved_; }
   /// Execution records of the last step's replays.
   const std::vector<ReplayRecord>& last_records() const { return last_records_; }
+  /// Step peak of the last finished step (bytes; 0 before the first): a graph capture must fit on top of it.
+  int64_t last_peak() const { return last_peak_; }
+  /// The graph cache (null without SessionOptions::graph_device).
+  GraphCache* graph_cache() const { return graphs_.get(); }
   /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
   /// installed again by the next begin_step()). Never throws.
   void shutdown() noexcept;
@@ -356,6 +382,8 @@ class Session {
   std::unordered_set<const void*> keep_dependents_;
   std::vector<PreservedStorage> last_preserved_;
   std::vector<ReplayRecord> last_records_;
+  std::unique_ptr<GraphCache> graphs_;
+  int64_t last_peak_ = 0;
 };
 
 /// A 64-bit signature of a block call's tape and candidates: op kinds, flags, data flow, sizes and the candidate

@@ -1,0 +1,122 @@
+// The graph replayer as the session uses it: per block key, an eager warm-up, then one capture of the block's
+// replayable ops from static tensors, then pruned launches of that one executable for every later replay of any
+// block call with the same key. Device-agnostic: the device (capture::GraphDevice) is CUDA graphs or the emulation.
+//
+// Note [Graph keys]. Block calls share a graph when their tapes have the same signature (ops, flags, data flow,
+// sizes), the same constant arguments and the same set of live values the capture reads. Identical transformer
+// layers therefore share one graph: its static memory is one block's worth, not one per layer. Parameters differ
+// per layer, so they are inputs of the graph like the block's activations: staged (copied into the graph's static
+// buffers) before each launch when they live elsewhere.
+//
+// Note [What a graph captures]. Every op of the tape except the *tainted* ones: ops that must not re-run (they write
+// external state or are not replayable) and ops that read their results or bytes they wrote — unless that result is
+// kept (available), in which case the capture reads it from a static buffer like an input. So one capture serves
+// every plan: a replay's needed ops are a subset of the captured ops whatever was kept, and what a plan kept is
+// staged into the static buffer of that value before the launch. A replay needing a tainted op falls back.
+//
+// Note [Static memory]. The capture keeps every tensor it made alive (the graph's outputs at fixed addresses, never
+// reused inside the capture), so a launch with any subset of nodes enabled writes each value where the next enabled
+// reader expects it. Checks before a launch (each a fallback to eager with its reason, nothing changed):
+//  * every needed op was captured (not_in_graph);
+//  * no needed op writes the storage of a value staged for it (staging_conflict: the op would overwrite the staged
+//    bytes before a reader saw them) and no needed op writes a target's storage past the state the target is read at;
+//  * the tensors handed out by the previous launch are dead (outputs_live), judged from reference counts;
+//  * the device can make the random ops draw the forward's numbers (rng_mismatch).
+// Launched targets are the static tensors themselves (no copy): autograd reads them before the next launch of
+// the same graph, which the liveness check enforces.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tapesac/capture/graph_device.h"
+#include "tapesac/capture/op_payload.h"
+#include "tapesac/capture/tape.h"
+#include "tapesac/replay/graph_prune.h"
+#include "tapesac/replay/prune.h"
+
+namespace tapesac::replay {
+
+struct GraphOptions {
+  /// Eager replays of a key before it is captured (lazy library initialisation must not happen under capture).
+  int warmup = 1;
+  /// Most graphs a session captures; replays of further keys run eagerly (graph_limit).
+  size_t max_graphs = 8;
+};
+
+/// The replaying block call, as a graph replay reads it (all borrowed).
+struct GraphCall {
+  const capture::Tape* tape = nullptr;
+  const std::vector<capture::OpPayload>* payloads = nullptr;
+  /// Live tensors by ValueId (externals and kept values, snapshot substitutions applied).
+  const std::vector<at::Tensor>* live = nullptr;
+  const std::vector<uint8_t>* available = nullptr;
+  uint64_t signature = 0;
+  /// Step-peak limit (0: none), the step's peak so far and the last step's measured peak (0: none yet). Under a
+  /// limit, a graph is captured only once a step was measured, and only when its static memory fits on top of both
+  /// peaks (the statics stay for every later step); until then replays are eager (counted as warm-ups).
+  int64_t memory_limit = 0;
+  int64_t in_use = 0;
+  int64_t last_peak = 0;
+};
+
+/// What one replay did on the graph path (summed into BlockStats).
+struct GraphReplayOutcome {
+  bool launched = false;
+  bool captured = false;  ///< this replay captured the key's graph before launching it
+  bool warmup = false;    ///< an eager warm-up replay (not a fallback)
+  GraphFallback reason = GraphFallback::kNone;
+  std::string detail;
+  int64_t staged_bytes = 0;
+  size_t enabled_nodes = 0;
+  size_t disabled_nodes = 0;
+  size_t ops = 0;  ///< tape ops whose nodes ran
+};
+
+/// The tainted ops of `tape` given the values a call holds live (Note [What a graph captures]): 1 per op that a
+/// capture leaves out. `capture_live` receives, per value, 1 when the capture reads it from a static buffer.
+std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<uint8_t>& available,
+                                 std::vector<uint8_t>* capture_live);
+
+/// Hash of the constant (non-tensor) arguments of `ops`; false when one cannot be hashed (unsupported_args).
+bool hash_constants(const std::vector<capture::OpPayload>& payloads, const std::vector<capture::OpIndex>& ops,
+                    uint64_t* hash);
+
+/// The graphs of one session, by key (Note [Graph keys]). Thread-safe (one replay at a time).
+class GraphCache {
+ public:
+  GraphCache(std::shared_ptr<capture::GraphDevice> device, GraphOptions options);
+  ~GraphCache();
+  GraphCache(const GraphCache&) = delete;
+  GraphCache& operator=(const GraphCache&) = delete;
+
+  /// Replays `targets` of `call` (`plan` = prune(targets) over call.available) on the key's graph: captures it
+  /// after the warm-up, then stages, prunes and launches. Returns the targets' tensors when launched; otherwise an
+  /// empty map and `outcome` says why (warm-up or a fallback): the caller replays eagerly. Throws only what the
+  /// device or the capture run throws (the capture is then abandoned and the key marked failed).
+  std::unordered_map<capture::ValueId, at::Tensor> replay(const GraphCall& call, const std::vector<Read>& targets,
+                                                          const PruneResult& plan, GraphReplayOutcome* outcome);
+
+  const capture::GraphDevice& device() const { return *device_; }
+  size_t graphs() const;
+  /// Bytes of the static tensors the captured graphs hold (their memory cost between steps).
+  int64_t static_bytes() const;
+
+ private:
+  struct Entry;
+  Entry* find_or_add(uint64_t key);
+
+  std::shared_ptr<capture::GraphDevice> device_;
+  GraphOptions options_;
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, std::unique_ptr<Entry>> entries_;
+  size_t captured_ = 0;
+};
+
+}  // namespace tapesac::replay

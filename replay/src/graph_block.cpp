@@ -1,0 +1,520 @@
+// The session's graph replayer (see graph_block.h).
+#include "tapesac/replay/graph_block.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/alias.h>
+#include <ATen/ops/empty_strided.h>
+
+#include "tapesac/capture/op_kinds.h"
+#include "tapesac/replay/eager_replayer.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::ArgRef;
+using capture::OpFlag;
+using capture::OpPayload;
+using capture::ValueId;
+
+class Fnv {
+ public:
+  void mix(uint64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      h_ = (h_ ^ (x & 0xff)) * 1099511628211ull;
+      x >>= 8;
+    }
+  }
+  void mix_bytes(const std::string& s) {
+    mix(s.size());
+    for (const char c : s) h_ = (h_ ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
+
+uint64_t bits_of(double d) {
+  uint64_t u = 0;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+/// Hashes one constant argument; false for kinds that cannot be compared by value.
+bool hash_ivalue(const c10::IValue& v, Fnv& h) {
+  h.mix(static_cast<uint64_t>(v.tagKind().size()));
+  if (v.isNone()) {
+    h.mix(0);
+  } else if (v.isBool()) {
+    h.mix(1);
+    h.mix(v.toBool() ? 1 : 0);
+  } else if (v.isInt()) {
+    h.mix(2);
+    h.mix(static_cast<uint64_t>(v.toInt()));
+  } else if (v.isDouble()) {
+    h.mix(3);
+    h.mix(bits_of(v.toDouble()));
+  } else if (v.isComplexDouble()) {
+    h.mix(4);
+    const c10::complex<double> c = v.toComplexDouble();
+    h.mix(bits_of(c.real()));
+    h.mix(bits_of(c.imag()));
+  } else if (v.isSymInt()) {
+    const auto i = v.toSymInt().maybe_as_int();
+    if (!i) return false;
+    h.mix(2);
+    h.mix(static_cast<uint64_t>(*i));
+  } else if (v.isSymFloat()) {
+    const c10::SymFloat f = v.toSymFloat();
+    if (f.is_symbolic()) return false;
+    h.mix(3);
+    h.mix(bits_of(f.as_float_unchecked()));
+  } else if (v.isString()) {
+    h.mix(5);
+    h.mix_bytes(v.toStringRef());
+  } else if (v.isDevice()) {
+    h.mix(6);
+    h.mix(static_cast<uint64_t>(v.toDevice().type()));
+    h.mix(static_cast<uint64_t>(static_cast<int64_t>(v.toDevice().index())));
+  } else if (v.isGenerator()) {
+    h.mix(7);  // which numbers it draws is the RNG check's business (GraphDevice::before_launch)
+  } else if (v.isList()) {
+    h.mix(8);
+    const auto list = v.toListRef();
+    h.mix(list.size());
+    for (const c10::IValue& e : list) {
+      if (!hash_ivalue(e, h)) return false;
+    }
+  } else if (v.isTuple()) {
+    h.mix(9);
+    const auto& elems = v.toTupleRef().elements();
+    h.mix(elems.size());
+    for (const c10::IValue& e : elems) {
+      if (!hash_ivalue(e, h)) return false;
+    }
+  } else {
+    return false;  // tensors (never left in a payload), objects, capsules, futures, ...
+  }
+  return true;
+}
+
+/// Stages `src` into `dst` (same sizes and strides). Dimensions of stride 0 (expanded views) are copied once.
+/// False when `dst` overlaps itself in another way (nothing copied).
+bool stage_into(capture::GraphDevice& device, at::Tensor dst, at::Tensor src) {
+  for (int64_t d = dst.dim() - 1; d >= 0; --d) {
+    if (dst.stride(d) == 0 && dst.size(d) > 1) {
+      if (src.stride(d) != 0) return false;
+      dst = dst.select(d, 0);
+      src = src.select(d, 0);
+    }
+  }
+  if (at::has_internal_overlap(dst) == at::MemOverlap::Yes) return false;
+  device.stage(dst, src);
+  return true;
+}
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) &&
+         a.scalar_type() == b.scalar_type();
+}
+
+std::string describe_value(const capture::Tape& tape, ValueId v) {
+  const OpIndex p = tape.value(v).producer;
+  return p == capture::kExternal ? std::string("a block input")
+                                 : "output of op #" + std::to_string(p) + " " + capture::op_kind_name(tape.op(p).kind);
+}
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+}  // namespace
+
+std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<uint8_t>& available,
+                                 std::vector<uint8_t>* capture_live) {
+  const size_t nvalues = tape.values().size();
+  const size_t nops = tape.ops().size();
+  std::vector<uint8_t> tainted(nops, 0), tainted_value(nvalues, 0), live(nvalues, 0);
+  for (size_t v = 0; v < nvalues; ++v) {
+    if (tape.values()[v].producer == capture::kExternal) live[v] = 1;
+  }
+  for (size_t i = 0; i < nops; ++i) {
+    const capture::OpRecord& op = tape.ops()[i];
+    bool bad = op.has(OpFlag::kNonReplayable) || op.has(OpFlag::kWritesExternal);
+    for (size_t k = 0; !bad && k < op.inputs.size(); ++k) {
+      const ArgRef& a = op.inputs[k];
+      const ReadSource src = classify_read(tape, live, a.value, a.state, a.meta_only);
+      if (src == ReadSource::kFail) {
+        bad = true;
+      } else if (src == ReadSource::kReplay) {
+        if (tainted_value[static_cast<size_t>(a.value)]) {
+          bad = true;
+        } else {
+          const capture::StorageInfo& st = tape.storage(tape.value(a.value).storage);
+          for (int32_t w = 0; w < a.state && w < st.final_state(); ++w) {
+            if (tainted[static_cast<size_t>(st.writers[static_cast<size_t>(w)])]) bad = true;
+          }
+        }
+      }
+    }
+    if (!bad) continue;
+    tainted[i] = 1;
+    for (ValueId v : op.outputs) {
+      if (v < 0) continue;
+      tainted_value[static_cast<size_t>(v)] = 1;
+      // A kept result of a tainted op is read from a static buffer, like an input.
+      if (static_cast<size_t>(v) < available.size() && available[static_cast<size_t>(v)]) live[static_cast<size_t>(v)] = 1;
+    }
+  }
+  if (capture_live != nullptr) {
+    capture_live->assign(nvalues, 0);
+    for (size_t i = 0; i < nops; ++i) {
+      if (tainted[i]) continue;
+      for (const ArgRef& a : tape.ops()[i].inputs) {
+        if (classify_read(tape, live, a.value, a.state, a.meta_only) == ReadSource::kLive) {
+          (*capture_live)[static_cast<size_t>(a.value)] = 1;
+        }
+      }
+    }
+  }
+  return tainted;
+}
+
+bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<OpIndex>& ops, uint64_t* hash) {
+  Fnv h;
+  for (OpIndex i : ops) {
+    const OpPayload& p = payloads.at(static_cast<size_t>(i));
+    h.mix(static_cast<uint64_t>(i));
+    h.mix(p.args.size());
+    for (const c10::IValue& v : p.args) {
+      if (!hash_ivalue(v, h)) return false;
+    }
+  }
+  *hash = h.value();
+  return true;
+}
+
+struct GraphCache::Entry {
+  int eager = 0;
+  GraphFallback failed = GraphFallback::kNone;
+  std::string failed_detail;
+  std::unique_ptr<capture::ExecGraph> exec;
+  std::vector<uint8_t> in_graph;  // by OpIndex
+  std::vector<OpIndex> ops;       // the captured ops, ascending
+  std::vector<uint8_t> capture_live;
+  std::vector<at::Tensor> statics;  // by ValueId
+  std::vector<int64_t> impl_refs;   // reference counts at capture end, by ValueId
+  std::vector<int64_t> storage_refs;
+  std::vector<OpIndex> random_ops;
+  std::vector<OpPayload> payloads;  // of the block call the graph was captured from
+  std::vector<uint8_t> applied;     // the node mask the executable has now
+  std::vector<ValueId> handed;      // values whose static tensors the last launch handed out
+  int64_t bytes = 0;
+
+  bool referenced(ValueId v) const {
+    const at::Tensor& t = statics[static_cast<size_t>(v)];
+    return static_cast<int64_t>(t.use_count()) > impl_refs[static_cast<size_t>(v)] ||
+           static_cast<int64_t>(t.storage().use_count()) > storage_refs[static_cast<size_t>(v)];
+  }
+};
+
+GraphCache::GraphCache(std::shared_ptr<capture::GraphDevice> device, GraphOptions options)
+    : device_(std::move(device)), options_(options) {}
+
+GraphCache::~GraphCache() = default;
+
+size_t GraphCache::graphs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return captured_;
+}
+
+int64_t GraphCache::static_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const auto& [key, e] : entries_) total += e->bytes;
+  return total;
+}
+
+GraphCache::Entry* GraphCache::find_or_add(uint64_t key) {
+  auto& slot = entries_[key];
+  if (!slot) slot = std::make_unique<Entry>();
+  return slot.get();
+}
+
+std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call, const std::vector<Read>& targets,
+                                                          const PruneResult& plan, GraphReplayOutcome* outcome) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GraphReplayOutcome& out = *outcome;
+  out = GraphReplayOutcome{};
+  const capture::Tape& tape = *call.tape;
+  const std::vector<uint8_t>& available = *call.available;
+  const std::vector<at::Tensor>& live = *call.live;
+  auto refuse = [&out](GraphFallback reason, std::string detail) {
+    out.reason = reason;
+    out.detail = std::move(detail);
+    return std::unordered_map<ValueId, at::Tensor>{};
+  };
+
+  // The key (Note [Graph keys]).
+  std::vector<uint8_t> capture_live;
+  const std::vector<uint8_t> tainted = tainted_ops(tape, available, &capture_live);
+  std::vector<OpIndex> graph_ops;
+  for (size_t i = 0; i < tainted.size(); ++i) {
+    if (!tainted[i]) graph_ops.push_back(static_cast<OpIndex>(i));
+  }
+  uint64_t constants = 0;
+  if (!hash_constants(*call.payloads, graph_ops, &constants)) {
+    return refuse(GraphFallback::kUnsupportedArgs,
+                  "an op of the block has a constant argument that cannot be compared between block calls");
+  }
+  Fnv key;
+  key.mix(call.signature);
+  key.mix(constants);
+  for (size_t v = 0; v < capture_live.size(); ++v) {
+    if (capture_live[v]) key.mix(v);
+  }
+  Entry& e = *find_or_add(key.value());
+  if (e.failed != GraphFallback::kNone) return refuse(e.failed, e.failed_detail);
+
+  if (!e.exec) {
+    if (e.eager < options_.warmup) {
+      ++e.eager;
+      out.warmup = true;
+      return {};
+    }
+    if (captured_ >= options_.max_graphs) {
+      return refuse(GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
+                                                    " graphs already (max_graphs); this block replays eagerly");
+    }
+    // What the capture will hold: every storage a captured op creates, and a static buffer per value it reads live.
+    int64_t bytes = 0;
+    for (OpIndex i : graph_ops) {
+      for (capture::StorageId s : tape.op(i).writes) {
+        const capture::StorageInfo& st = tape.storage(s);
+        if (!st.external && !st.writers.empty() && st.writers[0] == i) bytes += st.nbytes;
+      }
+    }
+    for (size_t v = 0; v < capture_live.size(); ++v) {
+      if (capture_live[v]) bytes += tape.values()[v].meta.nbytes;
+    }
+    if (call.memory_limit > 0 && call.last_peak == 0) {
+      out.warmup = true;  // no step measured yet: the statics' room under the limit is unknown
+      return {};
+    }
+    const int64_t peak = std::max(call.in_use, call.last_peak);
+    if (call.memory_limit > 0 && peak + bytes > call.memory_limit) {
+      return refuse(GraphFallback::kMemoryLimit,
+                    "capturing the block needs " + std::to_string(bytes) + " bytes of static memory, held from "
+                    "then on; the step peaks at " + std::to_string(peak) + " bytes under a limit of " +
+                        std::to_string(call.memory_limit));
+    }
+    // Static inputs, from the forward's metadata (the call may no longer hold the tensors its plan does not read).
+    std::vector<at::Tensor> inputs(tape.values().size());
+    for (size_t v = 0; v < capture_live.size(); ++v) {
+      if (!capture_live[v]) continue;
+      const capture::TensorMeta& m = tape.values()[v].meta;
+      const auto options = at::TensorOptions()
+                               .dtype(static_cast<c10::ScalarType>(m.dtype))
+                               .device(c10::Device(static_cast<c10::DeviceType>(m.device_type),
+                                                   static_cast<c10::DeviceIndex>(m.device_index)));
+      // Zeros, not garbage: the emulation runs the capture (an index read from garbage would fault).
+      inputs[v] = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
+      const auto elems = static_cast<int64_t>(inputs[v].storage().nbytes()) / inputs[v].element_size();
+      inputs[v].as_strided({elems}, {1}, 0).zero_();  // the whole storage: an expanded view cannot be filled
+    }
+    class Forward final : public ReplayObserver {
+     public:
+      explicit Forward(capture::GraphDevice& d) : d_(d) {}
+      void after_op(OpIndex op, const std::vector<c10::IValue>& args, const std::vector<at::Tensor>& outs) override {
+        d_.after_op(op, args, outs);
+      }
+
+     private:
+      capture::GraphDevice& d_;
+    } forward(*device_);
+    ReplaySource src;
+    src.tape = &tape;
+    src.payloads = call.payloads;
+    src.live = &inputs;
+    src.available = &capture_live;
+    ReplayOptions ro;
+    ro.set_rng = false;
+    ro.observer = &forward;
+    std::vector<at::Tensor> env;
+    std::string error;
+    // The capture run draws from the live generators (emulation) or reserves offsets in them: put them back, the
+    // step's random stream must not move.
+    std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> generators;
+    for (OpIndex i : graph_ops) {
+      const OpPayload& p = (*call.payloads)[static_cast<size_t>(i)];
+      if (!p.generator.has_value()) continue;
+      at::Generator gen = *p.generator;
+      const bool seen = std::any_of(generators.begin(), generators.end(), [&gen](const auto& g) {
+        return g.first.unsafeGetGeneratorImpl() == gen.unsafeGetGeneratorImpl();
+      });
+      if (seen) continue;
+      std::lock_guard<std::mutex> glock(gen.mutex());
+      generators.emplace_back(gen, gen.unsafeGetGeneratorImpl()->get_state());
+    }
+    struct RestoreGenerators {
+      decltype(generators)& saved;
+      ~RestoreGenerators() {
+        for (auto& [gen, state] : saved) {
+          std::lock_guard<std::mutex> glock(gen.mutex());
+          gen.unsafeGetGeneratorImpl()->set_state(*state);
+        }
+      }
+    } restore_generators{generators};
+    device_->begin_capture();
+    try {
+      env = run_ops(src, graph_ops, ro);
+    } catch (const std::exception& ex) {
+      device_->abort_capture();
+      error = ex.what();
+    }
+    std::unique_ptr<capture::ExecGraph> exec;
+    if (error.empty()) exec = device_->end_capture(&error);
+    if (!exec) {
+      e.failed = GraphFallback::kCaptureInvalidated;
+      e.failed_detail = "capture failed: " + error;
+      return refuse(e.failed, e.failed_detail);
+    }
+    const GraphVerdict verdict = check_capturable(exec->topology());
+    if (!verdict.ok()) {
+      e.failed = verdict.reason;
+      e.failed_detail = verdict.detail;
+      return refuse(e.failed, e.failed_detail);
+    }
+    e.exec = std::move(exec);
+    e.ops = graph_ops;
+    e.in_graph.assign(tape.ops().size(), 0);
+    for (OpIndex i : graph_ops) {
+      e.in_graph[static_cast<size_t>(i)] = 1;
+      if (tape.op(i).has(OpFlag::kRandom)) e.random_ops.push_back(i);
+    }
+    e.capture_live = capture_live;
+    e.statics = std::move(env);
+    e.impl_refs.assign(e.statics.size(), 0);
+    e.storage_refs.assign(e.statics.size(), 0);
+    for (size_t v = 0; v < e.statics.size(); ++v) {
+      if (!e.statics[v].defined()) continue;
+      e.impl_refs[v] = static_cast<int64_t>(e.statics[v].use_count());
+      e.storage_refs[v] = static_cast<int64_t>(e.statics[v].storage().use_count());
+    }
+    e.payloads = *call.payloads;
+    e.applied.assign(e.exec->topology().node_count(), 1);
+    e.bytes = bytes;
+    ++captured_;
+    out.captured = true;
+  }
+
+  // Checks (Note [Static memory]); nothing changes until all of them pass.
+  const size_t nvalues = tape.values().size();
+  std::vector<uint8_t> needed(tape.ops().size(), 0);
+  std::vector<uint8_t> written(tape.storages().size(), 0);
+  for (OpIndex i : plan.ops) {
+    if (!e.in_graph[static_cast<size_t>(i)]) {
+      return refuse(GraphFallback::kNotInGraph, "op #" + std::to_string(i) +
+                                                    " reads the result of an op that must not re-run and was "
+                                                    "not kept, so the graph does not hold it");
+    }
+    needed[static_cast<size_t>(i)] = 1;
+    for (capture::StorageId s : tape.op(i).writes) written[static_cast<size_t>(s)] = 1;
+  }
+  std::vector<uint8_t> staged(nvalues, 0);
+  std::vector<ValueId> stage_list;
+  for (OpIndex i : plan.ops) {
+    for (const ArgRef& a : tape.op(i).inputs) {
+      const auto v = static_cast<size_t>(a.value);
+      if (staged[v] || classify_read(tape, available, a.value, a.state, a.meta_only) != ReadSource::kLive) continue;
+      if (!e.statics[v].defined() || !live[v].defined()) {
+        return refuse(GraphFallback::kStagingConflict, "value v" + std::to_string(v) + " read by op #" +
+                                                           std::to_string(i) + " has no static buffer in the graph");
+      }
+      if (written[static_cast<size_t>(tape.value(a.value).storage)]) {
+        return refuse(GraphFallback::kStagingConflict, "op #" + std::to_string(i) + " reads v" + std::to_string(v) +
+                                                           " as kept, but the replay also writes its storage");
+      }
+      staged[v] = 1;
+      stage_list.push_back(a.value);
+    }
+  }
+  for (const Read& r : targets) {
+    if (classify_read(tape, available, r.value, r.state, false) == ReadSource::kLive) continue;
+    const capture::StorageInfo& st = tape.storage(tape.value(r.value).storage);
+    for (int32_t w = r.state; w < st.final_state(); ++w) {
+      if (needed[static_cast<size_t>(st.writers[static_cast<size_t>(w)])]) {
+        return refuse(GraphFallback::kStagingConflict, "target v" + std::to_string(r.value) + " is read at state " +
+                                                           std::to_string(r.state) +
+                                                           " but the replay writes its storage later");
+      }
+    }
+    if (!e.statics[static_cast<size_t>(r.value)].defined()) {
+      return refuse(GraphFallback::kNotInGraph, "target v" + std::to_string(r.value) + " is not held by the graph");
+    }
+  }
+  for (ValueId v : e.handed) {
+    if (e.referenced(v)) {
+      return refuse(GraphFallback::kOutputsLive,
+                    "v" + std::to_string(v) + " (" + describe_value(tape, v) +
+                        ") from the previous launch of this graph is still referenced (" +
+                        std::to_string(e.statics[static_cast<size_t>(v)].use_count()) + "/" +
+                        std::to_string(e.impl_refs[static_cast<size_t>(v)]) + " tensor, " +
+                        std::to_string(e.statics[static_cast<size_t>(v)].storage().use_count()) + "/" +
+                        std::to_string(e.storage_refs[static_cast<size_t>(v)]) + " storage references)");
+    }
+  }
+  const GraphPrune mask = prune_graph(tape, e.exec->topology(), plan.ops);
+  if (!mask.ok()) return refuse(mask.verdict.reason, mask.verdict.detail);
+  const std::string rng = device_->before_launch(*e.exec, e.random_ops, e.payloads, *call.payloads);
+  if (!rng.empty()) return refuse(GraphFallback::kRngMismatch, rng);
+
+  struct AfterLaunch {
+    capture::GraphDevice& d;
+    capture::ExecGraph& x;
+    ~AfterLaunch() { d.after_launch(x); }
+  } after{*device_, *e.exec};
+  e.handed.clear();  // what the previous launch handed out is dead (checked above)
+  for (ValueId v : stage_list) {
+    const at::Tensor& dst = e.statics[static_cast<size_t>(v)];
+    const at::Tensor& src = live[static_cast<size_t>(v)];
+    if (same_memory(dst, src)) continue;
+    if (!stage_into(*device_, dst, src)) {
+      return refuse(GraphFallback::kStagingConflict,
+                    "v" + std::to_string(v) + " overlaps itself in a way that cannot be staged");
+    }
+    out.staged_bytes += tensor_bytes(src);
+  }
+  const auto& topo = e.exec->topology();
+  for (size_t n = 0; n < topo.node_count(); ++n) {
+    if (e.applied[n] == mask.enabled[n]) continue;
+    e.exec->set_enabled(static_cast<capture::NodeId>(n), mask.enabled[n] != 0);
+    e.applied[n] = mask.enabled[n];
+  }
+  e.exec->launch();
+  out.launched = true;
+  out.enabled_nodes = mask.enabled_nodes;
+  out.disabled_nodes = mask.disabled_nodes;
+  out.ops = plan.ops.size();
+
+  std::unordered_map<ValueId, at::Tensor> result;
+  for (const Read& r : targets) {
+    const auto v = static_cast<size_t>(r.value);
+    if (classify_read(tape, available, r.value, r.state, false) == ReadSource::kLive) {
+      result.emplace(r.value, live[v]);
+    } else {
+      // A fresh TensorImpl over the static storage: whoever holds it shows in the storage's reference count.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      result.emplace(r.value, at::alias(e.statics[v]));
+      e.handed.push_back(r.value);
+    }
+  }
+  return result;
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,188 @@
+// The emulated graph device (see graph_emulation.h).
+#include "tapesac/replay/graph_emulation.h"
+
+#include "tapesac/replay/eager_replayer.h"
+
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+namespace tapesac::replay {
+namespace {
+
+using capture::NodeId;
+using capture::NodeKind;
+using capture::OpIndex;
+using capture::OpPayload;
+
+struct Node {
+  OpIndex op = capture::kUnowned;
+  std::vector<c10::IValue> args;
+  std::vector<at::Tensor> outputs;
+};
+
+class EmulatedExec final : public capture::ExecGraph {
+ public:
+  explicit EmulatedExec(std::vector<Node> nodes) : nodes_(std::move(nodes)) {
+    topo_.kinds.reserve(nodes_.size());
+    for (const Node& n : nodes_) {
+      topo_.kinds.push_back(n.op == capture::kUnowned ? NodeKind::kEmpty : NodeKind::kKernel);
+      topo_.owner.push_back(n.op);
+    }
+    enabled_.assign(nodes_.size(), 1);
+  }
+
+  const capture::GraphTopology& topology() const override { return topo_; }
+
+  void set_enabled(NodeId n, bool on) override {
+    check(n, "set_enabled");
+    if (!capture::can_disable(topo_.kinds[static_cast<size_t>(n)])) {
+      throw std::invalid_argument(std::string("EmulatedExec::set_enabled: node ") + std::to_string(n) + " is a " +
+                                  capture::to_string(topo_.kinds[static_cast<size_t>(n)]) +
+                                  " node; only kernel, memcpy and memset nodes can be enabled or disabled");
+    }
+    enabled_[static_cast<size_t>(n)] = on ? 1 : 0;
+  }
+
+  bool enabled(NodeId n) const override {
+    check(n, "enabled");
+    return enabled_[static_cast<size_t>(n)] != 0;
+  }
+
+  void launch() override {
+    if (current_ == nullptr) throw std::logic_error("EmulatedExec::launch: before_launch() was not called");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    std::map<c10::GeneratorImpl*, std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> restore;
+    std::vector<at::Tensor> outs;
+    try {
+      for (size_t n = 0; n < nodes_.size(); ++n) {
+        const Node& node = nodes_[n];
+        if (node.op == capture::kUnowned || !enabled_[n]) continue;
+        const OpPayload& p = current_->at(static_cast<size_t>(node.op));
+        torch::jit::Stack stack(node.args.begin(), node.args.end());
+        if (p.generator.has_value()) {
+          at::Generator gen = *p.generator;
+          if (p.generator_arg >= 0 && static_cast<size_t>(p.generator_arg) < stack.size()) {
+            at::Generator priv;
+            {
+              std::lock_guard<std::mutex> lock(gen.mutex());
+              priv = gen.clone();
+            }
+            priv.unsafeGetGeneratorImpl()->set_state(*p.generator_state);
+            stack[static_cast<size_t>(p.generator_arg)] = c10::IValue(priv);
+          } else {
+            std::lock_guard<std::mutex> lock(gen.mutex());
+            c10::GeneratorImpl* impl = gen.unsafeGetGeneratorImpl();
+            if (!restore.count(impl)) restore.emplace(impl, std::make_pair(gen, impl->get_state()));
+            impl->set_state(*p.generator_state);
+          }
+        }
+        p.handle->callBoxed(stack);
+        outs.clear();
+        flatten_outputs(stack, outs);
+        for (size_t j = 0; j < outs.size() && j < node.outputs.size(); ++j) {
+          const at::Tensor& dst = node.outputs[j];
+          const at::Tensor& src = outs[j];
+          if (!dst.defined() || !src.defined()) continue;
+          if (dst.data_ptr() == src.data_ptr() && dst.strides().equals(src.strides())) continue;  // view / in place
+          dst.copy_(src);
+        }
+      }
+    } catch (...) {
+      restore_generators(restore);
+      throw;
+    }
+    restore_generators(restore);
+  }
+
+  void set_current(const std::vector<OpPayload>* current) { current_ = current; }
+
+ private:
+  using Saved = std::map<c10::GeneratorImpl*, std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>>;
+  static void restore_generators(Saved& saved) {
+    for (auto& [impl, entry] : saved) {
+      std::lock_guard<std::mutex> lock(entry.first.mutex());
+      impl->set_state(*entry.second);
+    }
+  }
+
+  void check(NodeId n, const char* what) const {
+    if (n < 0 || static_cast<size_t>(n) >= nodes_.size()) {
+      throw std::invalid_argument(std::string("EmulatedExec::") + what + ": node " + std::to_string(n) +
+                                  " outside the graph (" + std::to_string(nodes_.size()) + " nodes)");
+    }
+  }
+
+  std::vector<Node> nodes_;
+  capture::GraphTopology topo_;
+  std::vector<uint8_t> enabled_;
+  const std::vector<OpPayload>* current_ = nullptr;
+};
+
+class EmulatedGraphDevice final : public capture::GraphDevice {
+ public:
+  const char* name() const override { return "emulated"; }
+
+  void begin_capture() override {
+    if (capturing_) throw std::logic_error("EmulatedGraphDevice::begin_capture: a capture is already in progress");
+    capturing_ = true;
+    nodes_.clear();
+    nodes_.push_back(Node{});  // the unowned entry node
+  }
+
+  void after_op(OpIndex op, const torch::jit::Stack& args, const std::vector<at::Tensor>& outputs) override {
+    if (!capturing_) throw std::logic_error("EmulatedGraphDevice::after_op: no capture in progress");
+    nodes_.push_back(Node{op, args, outputs});
+  }
+
+  std::unique_ptr<capture::ExecGraph> end_capture(std::string* error) override {
+    if (!capturing_) {
+      if (error != nullptr) *error = "no capture in progress";
+      return nullptr;
+    }
+    capturing_ = false;
+    return std::make_unique<EmulatedExec>(std::exchange(nodes_, {}));
+  }
+
+  void abort_capture() noexcept override {
+    capturing_ = false;
+    nodes_.clear();
+  }
+
+  std::string before_launch(capture::ExecGraph& exec, const std::vector<OpIndex>& random_ops,
+                            const std::vector<OpPayload>& /*captured*/,
+                            const std::vector<OpPayload>& current) override {
+    for (OpIndex op : random_ops) {
+      const OpPayload& p = current.at(static_cast<size_t>(op));
+      if (!p.generator.has_value() || !p.generator_state) {
+        return "random op #" + std::to_string(op) + " has no recorded generator state";
+      }
+    }
+    static_cast<EmulatedExec&>(exec).set_current(&current);
+    return "";
+  }
+
+  void after_launch(capture::ExecGraph& exec) noexcept override { static_cast<EmulatedExec&>(exec).set_current(nullptr); }
+
+  void stage(const at::Tensor& dst, const at::Tensor& src) override {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    dst.copy_(src);
+  }
+
+ private:
+  bool capturing_ = false;
+  std::vector<Node> nodes_;
+};
+
+}  // namespace
+
+std::shared_ptr<capture::GraphDevice> make_emulated_graph_device() { return std::make_shared<EmulatedGraphDevice>(); }
+
+}  // namespace tapesac::replay

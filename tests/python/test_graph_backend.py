@@ -1,0 +1,154 @@
+"""The graph replayer end to end on CPU, through backend="emulated_graph".
+
+The emulated device (replay/graph_emulation.h) captures a block's replayable ops once, keeps every value at a fixed
+address and re-runs only the enabled ops at each launch, so a replay that forgot to stage a kept value, enabled too
+few nodes or read a stale buffer gives a wrong gradient here exactly as it would on a CUDA graph. Every scenario of
+the reference test runs three steps with graph replay and must stay bitwise equal to no checkpointing.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import models as M
+from conftest import default_loss, reference_check
+from test_reference import MATMULS, RANDOM_OPS, SCENARIOS, scenario
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GRAPH = {"backend": "emulated_graph"}
+# Scenarios whose blocks repeat (one graph serves several calls) and whose replays all run as graphs once warm.
+ALL_GRAPHED = {"mlp", "dropout", "random_ops", "hf_llama", "hf_qwen3", "hf_qwen3_attention_dropout", "shared_param"}
+
+
+def check_graph_counts(stats) -> None:
+    """Every replay of a block call is a warm-up, a launch or a fallback, and each fallback says why."""
+    for b in stats.blocks:
+        assert b.graph_warmups + b.graph_replays + b.graph_fallbacks == b.replays, b
+        if b.graph_fallbacks:
+            assert b.graph_fallback and b.graph_detail, b
+
+
+@pytest.mark.parametrize("policy", [pytest.param("full", id="full"), pytest.param(MATMULS, id="save_matmuls")])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_graph_replay_matches_no_checkpointing(name: str, policy) -> None:
+    s = scenario(name)
+    res = reference_check(s.make_model, s.make_inputs, policy, s.blocks, s.loss_fn, steps=3,
+                          block_calls=s.block_calls, sac_kwargs=GRAPH)
+    assert res.sac.backend == "emulated_graph"
+    for st in res.all_stats:
+        check_graph_counts(st)
+    last = res.stats
+    if name in ALL_GRAPHED and policy == "full":
+        assert last.graph_replays == last.replays > 0, (last.graph_replays, last.replays, last.graph_fallback_reasons)
+        assert last.graph_fallbacks == 0, last.graph_fallback_reasons
+    if policy == "full" and name in ("dropout", "random_ops", "hf_qwen3_attention_dropout"):
+        assert RANDOM_OPS & set(last.ops_replayed_by_name), sorted(last.ops_replayed_by_name)
+
+
+def test_one_graph_serves_every_identical_block() -> None:
+    """Step 1: the first replay warms up, the second captures; from then on every block call launches the graph."""
+    s = scenario("hf_qwen3")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, steps=2,
+                          block_calls=s.block_calls, sac_kwargs=GRAPH)
+    first, second = res.all_stats
+    assert [b.graph_warmups for b in first.blocks] == [0, 0, 1]  # the backward replays the last block first
+    assert first.graph_captures == 1 and first.graph_replays == 2
+    assert second.graph_captures == 0 and second.graph_replays == 3
+    assert res.sac._session.graph_count == 1
+    for b in second.blocks:
+        # Only the ops the backward needs run: the graph's other nodes are disabled.
+        assert b.graph_nodes_enabled > 0 and b.graph_nodes_disabled > 0, b
+        # Each layer's parameters and inputs live elsewhere than the graph's static buffers: they are staged.
+        assert b.graph_staged_bytes > 0, b
+
+
+def test_kept_values_are_staged() -> None:
+    """A plan that keeps matmul outputs makes the graph read them from static buffers: still exact, fewer nodes."""
+    s = scenario("mlp")
+    full = reference_check(s.make_model, s.make_inputs, "full", s.blocks, steps=2, block_calls=3,
+                           sac_kwargs=GRAPH).stats
+    kept = reference_check(s.make_model, s.make_inputs, MATMULS, s.blocks, steps=2, block_calls=3,
+                           sac_kwargs=GRAPH).stats
+    assert kept.graph_replays == 3 and full.graph_replays == 3
+    assert kept.blocks[0].graph_nodes_enabled < full.blocks[0].graph_nodes_enabled
+    # Replaying gelu reads only the kept fc1 output [B, T, 2D] fp32: that is all that is staged (no parameters).
+    assert kept.blocks[0].graph_staged_bytes == M.B * M.T * 2 * M.D * 4
+    assert full.blocks[0].graph_staged_bytes > kept.blocks[0].graph_staged_bytes
+
+
+def test_strict_contract_checks_graph_outputs_bytewise() -> None:
+    s = scenario("hf_llama")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, steps=2,
+                          block_calls=s.block_calls, sac_kwargs={**GRAPH, "contract": "strict"})
+    assert res.stats.graph_replays == 3
+    assert res.stats.record_counts.get("match", 0) > 0 and set(res.stats.record_counts) == {"match"}
+
+
+def test_retain_graph_second_backward_relaunches() -> None:
+    """Two backwards over one graph (retain_graph): the second round replays again, gradients accumulate exactly."""
+    def twice(loss):
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    s = scenario("mlp")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, backward_fn=twice, steps=2, block_calls=3,
+                          sac_kwargs=GRAPH)
+    assert res.stats.replays == 6 and res.stats.graph_replays == 6
+
+
+def test_batchnorm_running_stats_are_not_replayed() -> None:
+    """BatchNorm writes its running statistics (external state): that op is never in the graph, and what depends
+    on it is kept, so the graph holds the rest; running statistics equal a no-checkpoint run's."""
+    s = scenario("batchnorm")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, steps=3, block_calls=2, sac_kwargs=GRAPH)
+    assert res.stats.replays > 0
+    for st in res.all_stats:
+        check_graph_counts(st)
+
+
+def test_capture_that_would_not_fit_falls_back() -> None:
+    """A limit that fits eager replays but not the graph's static memory: no capture, eager replays, same grads."""
+    import tapesac
+
+    def run(backend: str, limit):
+        torch.manual_seed(0)
+        model = M.Stack([M.MLPBlock(hidden=2048) for _ in range(3)])  # 1 MiB of weights per block
+        x = torch.randn(M.B, M.T, M.D)
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full", backend=backend, memory_limit=limit)
+        try:
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                with sac.step():
+                    default_loss(model, (x,)).backward()
+            return sac.last_step, [p.grad for p in model.parameters()]
+        finally:
+            sac.close()
+
+    eager, want = run("eager", "100GiB")
+    tight = eager.memory.peak_bytes + 16 * 1024
+    st, got = run("emulated_graph", tight)
+    assert st.graph_replays == 0 and st.graph_fallback_reasons == {"memory_limit": 3}, st.graph_fallback_reasons
+    assert "static memory" in st.blocks[0].graph_detail
+    assert st.memory.peak_bytes <= tight
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # With room for the statics: the first step is measured eagerly (warm-ups), the second captures and launches,
+    # and its peak (statics included) stays under the limit.
+    roomy = eager.memory.peak_bytes + 4 * 2**20
+    st, got = run("emulated_graph", roomy)
+    assert st.graph_captures == 1 and st.graph_replays == 3 and st.graph_fallbacks == 0
+    assert st.memory.peak_bytes <= roomy
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_graph_static_memory_is_part_of_the_baseline() -> None:
+    s = scenario("mlp")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, steps=2, block_calls=3, sac_kwargs=GRAPH)
+    held = res.sac._session.graph_static_bytes
+    assert held > 0
+    params = sum(p.numel() * p.element_size() for p in res.model.parameters())
+    assert res.stats.memory.baseline_bytes >= params + held  # params, their grads and the graph

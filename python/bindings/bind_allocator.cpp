@@ -10,6 +10,7 @@
 #include "tapesac/capture/errors.h"
 #ifdef TAPESAC_WITH_CUDA
 #include "tapesac/cuda/arena.h"
+#include "tapesac/cuda/graph_device.h"
 #endif
 
 namespace py = pybind11;
@@ -78,6 +79,17 @@ void bind_allocator(py::module_& m) {
 #endif
       },
       py::arg("device"), "The caching allocator's aggregate byte statistics of a CUDA device (None without CUDA).");
+#ifdef TAPESAC_WITH_CUDA
+  m.def(
+      "cuda_graph_device",
+      [](int device, std::pair<uint64_t, uint64_t> pool) -> std::shared_ptr<capture::GraphDevice> {
+        return cuda::make_cuda_graph_device(device, pool.first, pool.second);
+      },
+      py::arg("device"), py::arg("pool"),
+      "The CUDA-graph device of the graph replayer on CUDA device `device`, capturing into the memory pool `pool` "
+      "(a MemPool id tuple; (0, 0): a private pool per capture). Raises ConfigError for a device index outside the "
+      "visible devices.");
+#endif
 }
 
 }  // namespace tapesac::python

@@ -528,18 +528,30 @@ def tapesac_auto_at_sac_peak_variants(ctx: Ctx) -> list[Variant]:
     return [v]
 
 
-def tapesac_cuda_graph_variants(ctx: Ctx) -> list[Variant]:
-    """tapesac policy="full" with backend="cuda_graph" (GPU only; reported unavailable until the backend lands)."""
-    name, label = "tapesac_full_cuda_graph", 'tapesac policy="full", backend="cuda_graph"'
+# The policy both replay backends run with, so that tapesac_eager vs tapesac_cuda_graph isolates the backend.
+BACKEND_POLICY = "full"
+
+
+def tapesac_backend_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac with the same policy under each replay backend: backend="eager" (replay through the dispatcher) and
+    backend="cuda_graph" (replay as pruned CUDA-graph launches; GPU only). The graph variant primes two steps (the
+    first replay of a block signature runs eagerly, the second captures), so validation, the peak and every timed
+    step see graph launches; a validation step that launched no graph makes it invalid."""
+    eager = _tapesac_variant(ctx, "tapesac_eager", f'tapesac policy="{BACKEND_POLICY}", backend="eager"',
+                             policy=BACKEND_POLICY, backend="eager")
+    name, label = "tapesac_cuda_graph", f'tapesac policy="{BACKEND_POLICY}", backend="cuda_graph"'
     if not ctx.cuda:
-        return [_placeholder(name, label, "tapesac", "skipped", "needs CUDA (the backend replays CUDA graphs)")]
+        return [eager, _placeholder(name, label, "tapesac", "skipped",
+                                    "needs a CUDA workload (backend='cuda_graph' replays CUDA graphs); this "
+                                    f"workload runs on {ctx.work.size.device}")]
     try:
-        v = _tapesac_variant(ctx, name, label, policy="full", backend="cuda_graph")
+        graph = _tapesac_variant(ctx, name, label, policy=BACKEND_POLICY, backend="cuda_graph")
     except ctx.tapesac.ConfigError as e:
-        return [_placeholder(name, label, "tapesac", "unavailable",
-                             f"CUDA-graph backend unavailable (ConfigError: {str(e).split(';')[0]})")]
-    v.optional = True
-    return [v]
+        return [eager, _placeholder(name, label, "tapesac", "unavailable",
+                                    f"CUDA-graph backend unavailable (ConfigError: {str(e).split(';')[0]})")]
+    graph.prime_steps = 2
+    graph.info["expect_graph_replays"] = True
+    return [eager, graph]
 
 
 # The suite, in order. Each factory: Ctx -> list[Variant]. Append a factory to add variants; a factory runs after
@@ -551,7 +563,7 @@ VARIANT_FACTORIES: list[Callable[[Ctx], list[Variant]]] = [
     tapesac_variants,
     tapesac_auto_variants,
     tapesac_auto_at_sac_peak_variants,
-    tapesac_cuda_graph_variants,
+    tapesac_backend_variants,
 ]
 
 
@@ -643,6 +655,21 @@ def _telemetry_peak(stats: Any) -> tuple[Any, int | None]:
                 peak = int(v["peak"])
                 break
     return raw, peak
+
+
+GRAPH_COUNTERS = ("graph_replays", "graph_captures", "graph_fallbacks", "graph_staged_bytes", "graph_nodes_enabled",
+                  "graph_nodes_disabled")
+
+
+def _graph_stats(stats: Any) -> dict[str, Any] | None:
+    """The CUDA-graph counters of a tapesac step summed over its block calls, with the distinct fallback reasons;
+    None when this tapesac's BlockStats carry no graph counters."""
+    blocks = getattr(stats, "blocks", ())
+    if not blocks or not all(hasattr(blocks[0], k) for k in GRAPH_COUNTERS):
+        return None
+    out: dict[str, Any] = {k: sum(getattr(b, k) for b in blocks) for k in GRAPH_COUNTERS}
+    out["graph_fallback_reasons"] = sorted({getattr(b, "graph_fallback", "") for b in blocks} - {""})
+    return out
 
 
 def _jsonable(x: Any) -> Any:
@@ -817,6 +844,11 @@ def _validate_and_measure(v: Variant, ctx: Ctx, ref: Snapshot | None, rtol_exact
                 if policy == "full" and (not st.dropped_bytes or not st.ops_replayed):
                     ok, detail = False, (f'policy "full" dropped {st.dropped_bytes} bytes and replayed '
                                          f"{st.ops_replayed} ops: tapesac did nothing")
+                graphs = _graph_stats(st)
+                if ok and v.info.get("expect_graph_replays") and not (graphs or {}).get("graph_replays"):
+                    found = graphs if graphs is not None else "BlockStats has no graph_replays"
+                    ok, detail = False, (f"backend='cuda_graph' launched no graph in the validated step (step "
+                                         f"{v.prime_steps + 1}): {found}")
             res["validation"] = {"valid": ok, "detail": detail, "max_rel_diff": worst, "method": method}
             if not ok:
                 res["status"] = "invalid"
@@ -829,6 +861,10 @@ def _validate_and_measure(v: Variant, ctx: Ctx, ref: Snapshot | None, rtol_exact
             res["tapesac"] = {k: getattr(st, k) for k in ("ops_recorded", "saved_tensors", "kept_tensors",
                                                           "dropped_tensors", "kept_bytes", "dropped_bytes",
                                                           "opaque_bytes", "replays", "ops_replayed", "replay_ms")}
+            res["tapesac"]["backend"] = v.sac.backend
+            graphs = _graph_stats(st)
+            if graphs is not None:
+                res["tapesac"].update(graphs)
         # One more step, measured (the validation step also warmed the variant up).
         model = work.model if v.model is None else v.model
 
@@ -870,6 +906,7 @@ def bench_workload(work: Workload, args: argparse.Namespace, tapesac: Any, meter
     out: dict[str, Any] = {"name": work.name, "model": work.arch, "size": work.size_name,
                            "description": work.description, "batch": work.size.batch, "seq": work.size.seq,
                            "dtype": work.size.dtype, "device": work.size.device, "blocks": len(work.blocks)}
+    made_names: set[str] = set()
     for factory in factories:
         try:
             made = factory(ctx)
@@ -880,6 +917,7 @@ def bench_workload(work: Workload, args: argparse.Namespace, tapesac: Any, meter
                              "reason": f"variant factory failed: {_short_error(e)}"}
             continue
         for v in made:
+            made_names.add(v.name)
             if wanted is not None and v.name not in wanted and v.name != NOCKPT:
                 if v.sac is not None:
                     v.sac.close()
@@ -913,6 +951,10 @@ def bench_workload(work: Workload, args: argparse.Namespace, tapesac: Any, meter
             if _validate_and_measure(v, ctx, None if v.name == NOCKPT else ref, rtol_exact, meter, res):
                 runnable.append(v)
     out["exact_rtol"] = rtol_exact
+    if wanted is not None:
+        # A misspelt --variants name must not silently run nothing.
+        out["unknown_variants"] = sorted(wanted - made_names)
+        out["known_variants"] = sorted(made_names)
 
     # Timing: warm-up rounds, then rounds; rotating order; paired per round.
     times: dict[str, list[float]] = {v.name: [] for v in runnable}
@@ -1497,6 +1539,9 @@ def _main(args: argparse.Namespace) -> int:
             for name, r in w["variants"].items():
                 if r["status"] in ("invalid", "error") and not r.get("optional"):
                     bad.append(f"{w['name']}/{name}: {r['status']}: {r.get('reason', '')}")
+            if w.get("unknown_variants"):
+                bad.append(f"{w['name']}: --variants names no variant of the suite: {w['unknown_variants']} "
+                           f"(known: {w['known_variants']})")
             del work, model
             gc.collect()
     if report["workloads"]:

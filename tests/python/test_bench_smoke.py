@@ -20,9 +20,11 @@ import tapesac
 
 STATUSES = {"ok", "invalid", "error", "unavailable", "skipped"}
 # Required: fail the suite when not "ok". The peers and tapesac features not built yet may report a reason instead.
-REQUIRED = ("nockpt", "tapesac_none", "tapesac_full", "tapesac_ops")
+REQUIRED = ("nockpt", "tapesac_none", "tapesac_full", "tapesac_ops", "tapesac_eager")
 ALWAYS = ("nockpt", "ckpt", "torch_sac", "compile_b0.5", "tapesac_none", "tapesac_full", "tapesac_ops",
-          "tapesac_full_cuda_graph")
+          "tapesac_eager", "tapesac_cuda_graph")
+# The variants perf/gpu_check.sh benchmarks on the GPU (its --variants list).
+GPU_CHECK_VARIANTS = ("nockpt", "ckpt", "torch_sac", "tapesac_eager", "tapesac_cuda_graph")
 
 
 def _bench():
@@ -146,3 +148,41 @@ def test_invalid_variant_is_reported_and_not_timed(tmp_path, monkeypatch):
     r = json.loads(path.read_text())["workloads"][0]["variants"]["wrong"]
     assert r["status"] == "invalid" and "not bitwise equal" in r["reason"], r
     assert "step_ms" not in r and "peak_bytes" not in r, "an invalid variant must not be timed or measured"
+
+
+def test_smoke_backend_variants_on_cpu(smoke):
+    """tapesac_eager runs (bitwise, backend "eager"); tapesac_cuda_graph is skipped with the reason on CPU."""
+    _, report = smoke
+    for w in report["workloads"]:
+        eager, graph = w["variants"]["tapesac_eager"], w["variants"]["tapesac_cuda_graph"]
+        assert eager["status"] == "ok" and eager["tapesac"]["backend"] == "eager", (w["name"], eager)
+        assert eager["info"]["policy"] == "full" and eager["info"]["backend"] == "eager", eager["info"]
+        assert graph["status"] == "skipped" and "needs a CUDA workload" in graph["reason"], (w["name"], graph)
+
+
+def test_gpu_check_variant_list_runs_exactly_those(tmp_path):
+    """The --variants list of perf/gpu_check.sh parses and selects exactly its five variants (on CPU the graph
+    variant is skipped, not crashed); the script really passes that list."""
+    script = (Path(__file__).resolve().parents[2] / "perf" / "gpu_check.sh").read_text()
+    assert f"--variants {','.join(GPU_CHECK_VARIANTS)} " in script, "perf/gpu_check.sh benchmarks other variants"
+    path = tmp_path / "gpu_check_variants.json"
+    rc = _bench().main(["--smoke", "--models", "qwen3", "--rounds", "1", "--warmup", "0", "--quiet",
+                        "--variants", ",".join(GPU_CHECK_VARIANTS), "--json", str(path)])
+    assert rc == 0
+    w = json.loads(path.read_text())["workloads"][0]
+    assert sorted(w["variants"]) == sorted(GPU_CHECK_VARIANTS), sorted(w["variants"])
+    assert w["unknown_variants"] == []
+    for name in ("nockpt", "ckpt", "torch_sac", "tapesac_eager"):
+        assert w["variants"][name]["status"] == "ok", (name, w["variants"][name])
+        assert w["variants"][name]["step_ms"]["n"] == 1
+    assert w["variants"]["tapesac_cuda_graph"]["status"] == "skipped"
+
+
+def test_misspelt_variant_fails_the_run(tmp_path):
+    path = tmp_path / "typo.json"
+    rc = _bench().main(["--smoke", "--models", "qwen3", "--rounds", "1", "--warmup", "0", "--quiet",
+                        "--variants", "nockpt,tapesac_egaer", "--json", str(path)])
+    assert rc == 1, "a --variants name that matches no variant must fail the run"
+    w = json.loads(path.read_text())["workloads"][0]
+    assert w["unknown_variants"] == ["tapesac_egaer"]
+    assert "tapesac_eager" in w["known_variants"]

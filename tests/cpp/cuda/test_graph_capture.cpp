@@ -10,28 +10,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "cuda_test_util.h"
 #include "tapesac/cuda/device.h"
 #include "tapesac/capture/recorder.h"
 #include "tapesac/cuda/graph_capture.h"
 #include "tapesac/cuda/graph_capture_listener.h"
 
 namespace tc = tapesac::cuda;
+using tapesac::cuda::testing::bitwise_equal;
 using tapesac::capture::kUnowned;
 using tapesac::capture::NodeKind;
-
-namespace {
-
-#define TAPESAC_NEED_DEVICE()                  \
-  if (tc::device_count() == 0) {               \
-    GTEST_SKIP() << "needs a CUDA device";     \
-  }
-
-bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
-  return a.sizes() == b.sizes() && a.dtype() == b.dtype() &&
-         torch::equal(a.contiguous().view(torch::kByte), b.contiguous().view(torch::kByte));
-}
-
-}  // namespace
 
 TEST(CudaGraphCapture, AttributesNodesToOpsAndPrunedReplayRunsOnlyNeededOps) {
   TAPESAC_NEED_DEVICE();

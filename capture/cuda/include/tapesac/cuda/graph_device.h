@@ -1,0 +1,76 @@
+// CudaGraphDevice: the CUDA implementation of capture::GraphDevice (its contract is in
+// tapesac/capture/graph_device.h). Captures with GraphCapture (at::cuda::CUDAGraph, keep_graph=true, a side stream,
+// cudaStreamCaptureModeThreadLocal, per-op node attribution) into the pool it was given, hands out CudaExecGraphs,
+// makes a graph's random ops draw what the replayed forward drew, and stages inputs on the launch stream.
+//
+// Contract (beyond capture::GraphDevice).
+//  * One device object per CUDA device index; the pool {first, second} is a MempoolId_t ({0, 0}: each capture gets
+//    a fresh private pool; the replay arena's id: every capture of this device allocates from the arena).
+//  * begin_capture() makes the capture's side stream current on the device (after the caller's stream's work);
+//    end_capture() and abort_capture() restore the caller's device and current stream (which then waits for the
+//    side stream), also when the capture failed. The thread's capture interaction mode is never changed.
+//  * before_launch(): Note [Graph RNG] in graph_device.cpp. It refuses (returns why) when a random op drew from a
+//    generator other than this device's default CUDA generator, when a payload has no generator state, or when the
+//    offsets the replayed forward drew at are not spaced as in the call the graph was captured from. Otherwise it
+//    sets the default generator to the state the forward's first random op saw; after_launch() puts back the state
+//    it saved. Both lock the generator's mutex while they touch it.
+//  * stage(dst, src): dst.copy_(src, non_blocking) on the current stream; shapes and dtypes must match (no
+//    broadcasting).
+//  * Every method needs a CUDA device; begin_capture/after_op/stage throw (std::runtime_error / tapesac::Error) on
+//    failure; end_capture reports failures through `error`; abort_capture and after_launch never throw.
+//  Not thread-safe: one capture at a time, all calls on the replaying thread. Includes no CUDA headers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tapesac/capture/graph_device.h"
+
+namespace tapesac::cuda {
+
+class GraphCapture;
+
+class CudaGraphDevice final : public capture::GraphDevice {
+ public:
+  /// `device`: a CUDA device index (< device_count()); throws tapesac::Error (kConfig) otherwise.
+  CudaGraphDevice(int device, uint64_t pool_first, uint64_t pool_second);
+  ~CudaGraphDevice() override;
+  CudaGraphDevice(const CudaGraphDevice&) = delete;
+  CudaGraphDevice& operator=(const CudaGraphDevice&) = delete;
+
+  const char* name() const override { return "cuda_graph"; }
+  void begin_capture() override;
+  void after_op(capture::OpIndex op, const torch::jit::Stack& args, const std::vector<at::Tensor>& outputs) override;
+  std::unique_ptr<capture::ExecGraph> end_capture(std::string* error) override;
+  void abort_capture() noexcept override;
+  std::string before_launch(capture::ExecGraph& exec, const std::vector<capture::OpIndex>& random_ops,
+                            const std::vector<capture::OpPayload>& captured,
+                            const std::vector<capture::OpPayload>& current) override;
+  void after_launch(capture::ExecGraph& exec) noexcept override;
+  void stage(const at::Tensor& dst, const at::Tensor& src) override;
+
+  int device() const { return device_; }
+  /// True between begin_capture() and end_capture()/abort_capture().
+  bool capturing() const { return capture_ != nullptr; }
+
+ private:
+  struct DeviceGuard;
+  void release_capture() noexcept;
+  void restore_generator() noexcept;
+
+  int device_;
+  uint64_t pool_first_, pool_second_;
+  std::unique_ptr<GraphCapture> capture_;
+  std::unique_ptr<DeviceGuard> device_guard_;  // the caller's device, restored after the capture's stream
+  /// The default generator's state saved by before_launch(), put back by after_launch().
+  std::optional<at::Generator> saved_generator_;
+  c10::intrusive_ptr<c10::TensorImpl> saved_state_;
+};
+
+/// A CudaGraphDevice as the replayer holds it (the binding's `tapesac._C.cuda_graph_device`).
+std::shared_ptr<capture::GraphDevice> make_cuda_graph_device(int device, uint64_t pool_first, uint64_t pool_second);
+
+}  // namespace tapesac::cuda

@@ -12,8 +12,6 @@ void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
 void bind_allocator(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
-/// TEMPORARY (until the graph-replay branch is merged; it registers GraphDevice in bind_replay.cpp).
-void bind_graph_device(pybind11::module_& m);
 
 /// {current, peak, allocated, allocations} of a gauge.
 pybind11::dict gauge_to_dict(const allocator::Gauge& g);

@@ -41,7 +41,6 @@ PYBIND11_MODULE(_C, m) {
   tapesac::python::bind_errors(m);
   tapesac::python::bind_capture(m);
   tapesac::python::bind_replay(m);
-  tapesac::python::bind_graph_device(m);  // TEMPORARY: see bind_graph_device.cpp
   tapesac::python::bind_allocator(m);
   tapesac::python::bind_planner(m);
 #ifdef TAPESAC_WITH_CUDA

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/alias.h>
 #include <ATen/ops/empty_strided.h>
@@ -106,6 +107,9 @@ bool hash_ivalue(const c10::IValue& v, Fnv& h) {
 /// Stages `src` into `dst` (same sizes and strides). Dimensions of stride 0 (expanded views) are copied once.
 /// False when `dst` overlaps itself in another way (nothing copied).
 bool stage_into(capture::GraphDevice& device, at::Tensor dst, at::Tensor src) {
+  // Below autograd: a static buffer must never join the autograd graph (a backward with create_graph runs with grad
+  // mode on) nor have its version bumped.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   for (int64_t d = dst.dim() - 1; d >= 0; --d) {
     if (dst.stride(d) == 0 && dst.size(d) > 1) {
       if (src.stride(d) != 0) return false;

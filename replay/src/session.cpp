@@ -73,12 +73,12 @@ BlockCall::BlockCall(std::string name, const SessionOptions* options,
                      const std::unordered_set<const void*>* param_storages, std::vector<int8_t>* save_cache,
                      size_t expected_ops, std::shared_ptr<StepMemory> memory, const Session* session)
     : name_(std::move(name)),
+      memory_(std::move(memory)),
+      session_(session),
       options_(options),
       param_storages_(param_storages),
       save_cache_(save_cache),
-      recorder_(capture::RecorderOptions{true, true, expected_ops}),
-      memory_(std::move(memory)),
-      session_(session) {
+      recorder_(capture::RecorderOptions{true, true, expected_ops}) {
   closed_stats_.name = name_;
   if (session_ != nullptr) watcher_ = session_->watcher();
 }

@@ -1,8 +1,7 @@
 // Tests of the CUDA-graph backend's logic on CPU (capture/exec_graph.h, replay/graph_prune.h): node attribution from
-// capture snapshots, the enabled mask of a pruned replay on random tapes, capturability and fallback reasons, the
-// relaunch-liveness state machine, input staging, the graph replayer driving a fake executable graph that
-// "runs" its enabled nodes and reports which tape ops ran, and which ops a session's capture leaves out
-// (graph_block.h: tainted_ops, hash_constants).
+// capture snapshots, the enabled mask of a pruned replay on random tapes, capturability and fallback reasons,
+// and which ops a session's capture leaves out (graph_block.h: tainted_ops, hash_constants). The session's graph
+// replayer itself runs end to end on CPU through the emulated device (tests/python/test_graph_backend.py).
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -137,45 +136,6 @@ struct FakeCapture {
   }
 };
 
-/// An executable graph that, at launch, "runs" its enabled nodes in order and records the tape ops that ran.
-class FakeExec : public capture::ExecGraph {
- public:
-  explicit FakeExec(GraphTopology topo) : topo_(std::move(topo)), enabled_(topo_.node_count(), 1) {}
-  const GraphTopology& topology() const override { return topo_; }
-  void set_enabled(NodeId n, bool on) override {
-    if (!capture::can_disable(topo_.kinds.at(static_cast<size_t>(n))))
-      throw std::invalid_argument("only kernel/memcpy/memset nodes can be toggled");
-    enabled_.at(static_cast<size_t>(n)) = on ? 1 : 0;
-    ++set_calls;
-  }
-  bool enabled(NodeId n) const override { return enabled_.at(static_cast<size_t>(n)) != 0; }
-  void launch() override {
-    ++launches;
-    ran_ops.clear();
-    ran_nodes.clear();
-    for (size_t i = 0; i < topo_.node_count(); ++i) {
-      if (!enabled_[i]) continue;
-      ran_nodes.push_back(static_cast<NodeId>(i));
-      if (topo_.owner[i] != kUnowned && (ran_ops.empty() || ran_ops.back() != topo_.owner[i]))
-        ran_ops.push_back(topo_.owner[i]);
-    }
-  }
-  std::vector<OpIndex> ran_ops;
-  std::vector<NodeId> ran_nodes;
-  int set_calls = 0;
-  int launches = 0;
-
- private:
-  GraphTopology topo_;
-  std::vector<uint8_t> enabled_;
-};
-
-struct RecordingIo : GraphReplayer::Io {
-  std::vector<size_t> staged, copied;
-  void stage_input(size_t slot) override { staged.push_back(slot); }
-  void copy_out(size_t slot) override { copied.push_back(slot); }
-};
-
 TEST(GraphAttribution, AssignsEveryNewNodeToTheOpThatLaunchedIt) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 50; ++trial) {
@@ -284,142 +244,6 @@ TEST(GraphCapturable, RefusesMemoryConditionalAndHostNodes) {
   EXPECT_STREQ(to_string(GraphFallback::kMemoryNodes), "memory_nodes");
   EXPECT_STREQ(to_string(GraphFallback::kOutputsLive), "outputs_live");
 }
-
-TEST(GraphCapturable, DataDependentShapesAreDetectedByComparingTapes) {
-  auto make = [](int64_t numel, bool extra) {
-    Builder b;
-    const ValueId x = b.ext();
-    const ValueId y = b.op("aten::nonzero", {x}, 0, numel);
-    if (extra) b.op("aten::relu", {y});
-    return b;
-  };
-  const Builder a = make(16, false);
-  EXPECT_TRUE(compare_tapes(a.tape, make(16, false).tape).ok());
-  const GraphVerdict v = compare_tapes(a.tape, make(12, false).tape);
-  EXPECT_EQ(v.reason, GraphFallback::kShapesChanged);
-  EXPECT_EQ(v.where, 0);
-  const GraphVerdict w = compare_tapes(a.tape, make(16, true).tape);
-  EXPECT_EQ(w.reason, GraphFallback::kShapesChanged);
-  EXPECT_EQ(w.where, 1);
-}
-
-TEST(GraphRelaunch, OutputsOfThePreviousLaunchMustBeDead) {
-  RelaunchGuard g({100, 50, 10});
-  EXPECT_EQ(g.before_launch(0).action, RelaunchGuard::Action::kLaunch);  // nothing launched yet
-  g.launched();
-  auto d = g.before_launch(0);
-  EXPECT_EQ(d.action, RelaunchGuard::Action::kFallBack);
-  EXPECT_EQ(d.live, (std::vector<size_t>{0, 1, 2}));
-  EXPECT_EQ(d.live_bytes, 160);
-  g.released(0);
-  g.released(0);  // idempotent
-  d = g.before_launch(60);
-  EXPECT_EQ(d.action, RelaunchGuard::Action::kCopyLive);
-  EXPECT_EQ(d.live_bytes, 60);
-  g.sync({1, 0, 0});  // slot 0 already dead stays dead; 1 and 2 died
-  EXPECT_FALSE(g.live(0));
-  EXPECT_FALSE(g.live(1));
-  EXPECT_EQ(g.before_launch(0).action, RelaunchGuard::Action::kLaunch);
-  g.launched();
-  EXPECT_TRUE(g.live(1));
-  EXPECT_EQ(g.launches(), 2);
-  EXPECT_THROW(g.released(3), std::out_of_range);
-  EXPECT_THROW(g.sync({1}), std::invalid_argument);
-}
-
-TEST(GraphInputs, OnlyMovedInputsAreStagedAndNewShapesAreRefused) {
-  const std::vector<StaticInput> cap{{0x1000, 64}, {0x2000, 32}, {0x3000, 8}};
-  EXPECT_TRUE(inputs_to_stage(cap, {0x1000, 0x2000, 0x3000}, {64, 32, 8}).empty());
-  EXPECT_EQ(inputs_to_stage(cap, {0x1000, 0x9000, 0x3008}, {64, 32, 8}), (std::vector<size_t>{1, 2}));
-  EXPECT_THROW(inputs_to_stage(cap, {0x1000, 0x2000, 0x3000}, {64, 16, 8}), std::invalid_argument);
-  EXPECT_THROW(inputs_to_stage(cap, {0x1000}, {64}), std::invalid_argument);
-}
-
-TEST(GraphReplayer, RunsExactlyTheNeededOpsAndTogglesOnlyChangedNodes) {
-  std::mt19937 rng(3);
-  for (int trial = 0; trial < 50; ++trial) {
-    Builder b = random_tape(rng, 2, 25);
-    FakeCapture cap(rng, b.tape.ops().size(), true);
-    FakeExec exec(cap.topology());
-    GraphReplayer rep(b.tape, exec, {{0x1000, 64}}, {256}, {});
-    RecordingIo io;
-    std::vector<OpIndex> prev;
-    for (int round = 0; round < 3; ++round) {
-      std::vector<Read> targets{{static_cast<ValueId>(2 + rng() % 25), 1}};
-      const PruneResult pr = prune(b.tape, targets, {});
-      ASSERT_TRUE(pr.ok);
-      rep.outputs().released(0);  // the previous launch's output died
-      const auto r = rep.replay(pr.ops, {round == 1 ? 0x5000u : 0x1000u}, {64}, io);
-      ASSERT_TRUE(r.launched) << r.verdict.detail;
-      // The fake ran the needed ops that launched nodes, in tape order, and nothing else.
-      std::vector<OpIndex> expect;
-      for (const OpIndex o : pr.ops)
-        if (std::count(cap.truth.owner.begin(), cap.truth.owner.end(), o) > 0) expect.push_back(o);
-      EXPECT_EQ(exec.ran_ops, expect) << "trial " << trial << " round " << round;
-      EXPECT_EQ(r.staged, round == 1 ? std::vector<size_t>{0} : std::vector<size_t>{});
-      if (round > 0 && pr.ops == prev) {
-        EXPECT_EQ(r.toggled, 0u);
-      }
-      prev = pr.ops;
-    }
-    EXPECT_EQ(exec.launches, 3);
-    EXPECT_EQ(io.staged, std::vector<size_t>{0});
-  }
-}
-
-// One kernel node per op, in op order.
-GraphTopology one_kernel_per_op(int ops) {
-  GraphTopology topo;
-  for (int i = 0; i < ops; ++i) {
-    topo.kinds.push_back(NodeKind::kKernel);
-    topo.owner.push_back(i);
-  }
-  return topo;
-}
-
-TEST(GraphReplayer, LiveOutputsAreCopiedOutOrTheReplayFallsBack) {
-  Builder b;
-  const ValueId x = b.ext();
-  b.op("aten::relu", {b.op("aten::mul", {x})});
-  const GraphTopology topo = one_kernel_per_op(2);
-  FakeExec exec(topo);
-  RecordingIo io;
-  GraphReplayer small(b.tape, exec, {}, {64}, {/*copy_budget_bytes=*/64});
-  ASSERT_TRUE(small.replay({0, 1}, {}, {}, io).launched);
-  auto r = small.replay({0}, {}, {}, io);  // output still live: 64 bytes fit the budget
-  ASSERT_TRUE(r.launched);
-  EXPECT_EQ(r.copied, std::vector<size_t>{0});
-  EXPECT_EQ(io.copied, std::vector<size_t>{0});
-  EXPECT_EQ(exec.ran_ops, std::vector<OpIndex>{0});
-
-  FakeExec exec2(topo);
-  GraphReplayer strict(b.tape, exec2, {}, {64}, {/*copy_budget_bytes=*/0});
-  ASSERT_TRUE(strict.replay({0, 1}, {}, {}, io).launched);
-  r = strict.replay({0, 1}, {}, {}, io);
-  EXPECT_FALSE(r.launched);
-  EXPECT_EQ(r.verdict.reason, GraphFallback::kOutputsLive);
-  EXPECT_EQ(exec2.launches, 1);
-  strict.outputs().sync({0});
-  EXPECT_TRUE(strict.replay({0, 1}, {}, {}, io).launched);
-}
-
-TEST(GraphReplayer, AnInputOfAnotherSizeFallsBackWithoutTouchingTheGraph) {
-  Builder b;
-  const ValueId x = b.ext();
-  b.op("aten::relu", {b.op("aten::mul", {x})});
-  const GraphTopology topo = one_kernel_per_op(2);
-  FakeExec exec(topo);
-  RecordingIo io;
-  GraphReplayer rep(b.tape, exec, {{0x1000, 64}}, {64}, {});
-  const auto r = rep.replay({0}, {0x2000}, {32}, io);
-  EXPECT_FALSE(r.launched);
-  EXPECT_EQ(r.verdict.reason, GraphFallback::kShapesChanged);
-  EXPECT_EQ(exec.set_calls, 0);
-  EXPECT_EQ(exec.launches, 0);
-  EXPECT_TRUE(io.staged.empty());
-  EXPECT_FALSE(rep.outputs().live(0));
-}
-
 
 // --- What a capture leaves out (graph_block.h, Note [What a graph captures]) -------------------------------------
 

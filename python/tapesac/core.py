@@ -120,6 +120,10 @@ class BlockStats(_Counts):
     predicted_replay_bytes: int = 0
     planned: bool = False
     capture_error: str = ""
+    # Where the tape's op times (the planner's costs) came from: "cupti" or "cuda_events" (device timing, on
+    # CUDA with policy="auto"), "cpu_clock" otherwise; op_timing_note says why the preferred source was not used.
+    op_timing: str = "cpu_clock"
+    op_timing_note: str = ""
     approx_mlp: int = 0
     approx_mlp_skipped: int = 0
     approx_units_total: int = 0
@@ -157,6 +161,8 @@ class StepStats(_Counts):
     # bytes, save/restore time; and the replay records' counts by status ("match", "recovered", ...).
     preserved: tuple[dict[str, Any], ...] = ()
     record_counts: dict[str, int] = field(default_factory=dict)
+    # The blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ; "" without blocks.
+    op_timing: str = ""
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -414,7 +420,9 @@ class TapeSAC:
                                    memory_limit=limit or 0, arena_pool=arena,
                                    arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0,
                                    preserve="off" if preserve == "off" or not check else
-                                   "snapshots" if preserve == "snapshots" else "regions")
+                                   "snapshots" if preserve == "snapshots" else "regions",
+                                   # Device op times (CUPTI, else CUDA events) where the planner uses op costs.
+                                   device_timing=self._device.type == "cuda" and self._policy_label == "auto")
         self._preserve = preserve if check else "off"
         self._preserve_choices: dict[int, str] = {}
         self._preserve_trials: list[Any] = []
@@ -710,6 +718,8 @@ class TapeSAC:
                 predicted_replay_bytes=b["predicted_replay_bytes"],
                 planned=bool(b["planned"]),
                 capture_error=b["capture_error"],
+                op_timing=b["op_timing"],
+                op_timing_note=b["op_timing_note"],
                 approx_mlp=b["approx_mlp"],
                 approx_mlp_skipped=b["approx_mlp_skipped"],
                 approx_units_total=b["approx_units_total"],
@@ -755,6 +765,7 @@ class TapeSAC:
             approx_kept_values=sum(b.approx_kept_values for b in blocks),
             preserved=tuple(dict(p) for p in self._session.last_preserved()),
             record_counts=dict(collections.Counter(r["status"] for r in self._session.last_records())),
+            op_timing=",".join(sorted({b.op_timing for b in blocks})),
         )
 
     def _warn_unmatched(self) -> None:

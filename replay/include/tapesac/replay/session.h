@@ -74,6 +74,8 @@ struct SessionOptions {
   /// session allocates from — the replay arena; {0, 0}: replays use the default pool.
   std::pair<uint64_t, uint64_t> arena_pool_id{0, 0};
   int arena_device = 0;
+  /// Device op times for the planner (capture/op_timer.h, e.g. capture::device_op_timers()); null: CPU clock.
+  std::shared_ptr<capture::OpTimerFactory> op_timers;
 };
 
 /// A span of the step's timeline: one block's forward or one replay.
@@ -151,6 +153,9 @@ struct BlockStats {
   int64_t planned = 0;
   uint64_t signature = 0;
   std::string capture_error;
+  /// Where the tape's op times come from (capture::op_timing_name) and why not from the device timer, if so.
+  std::string op_timing;
+  std::string op_timing_note;
   /// Approximate rematerialization (Session::set_approx): what was matched and how many units replay recomputes.
   ApproxStats approx;
 };

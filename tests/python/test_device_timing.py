@@ -97,9 +97,8 @@ def test_cuda_auto_step_times_ops_on_the_device(tapesac) -> None:
 @pytest.mark.gpu
 def test_cuda_static_policy_keeps_the_cpu_clock(tapesac) -> None:
     model = _qwen("cuda")
-    x = _tokens("cuda")
     sac = tapesac.TapeSAC(model, policy="full")
-    _step(sac, model, x)
+    _step(sac, model, _tokens("cuda"))
     assert sac.last_step.op_timing == "cpu_clock"
     sac.close()
 
@@ -107,11 +106,10 @@ def test_cuda_static_policy_keeps_the_cpu_clock(tapesac) -> None:
 @pytest.mark.gpu
 def test_cuda_profiler_keeps_cupti(tapesac) -> None:
     model = _qwen("cuda")
-    x = _tokens("cuda")
     sac = tapesac.TapeSAC(model, memory_limit="90%")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        _step(sac, model, x)
+        _step(sac, model, _tokens("cuda"))
     assert sac.last_step.op_timing == "cuda_events"
     assert all("torch.profiler" in b.op_timing_note for b in sac.last_step.blocks)
     # The profiler's own trace still has the step's kernels.

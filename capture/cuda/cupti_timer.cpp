@@ -227,44 +227,77 @@ std::unordered_map<uint64_t, capture::OpIndex> CuptiTimer::exec_node_owner(
   return out;
 }
 
+// One event per bracket boundary, reused across collect()s (no event is created per op once the pool covers a
+// block): segment [boundary i, boundary i + 1) is charged to the op innermost at boundary i (exclusive time).
 struct EventOpTimer::Impl {
-  struct Span {
-    capture::OpIndex op;
-    Event start;
-    Event end;
-  };
-  std::vector<Span> spans;
-  bool open = false;
+  std::vector<Event> pool;
+  size_t used = 0;
+  std::vector<capture::OpIndex> segment_op;  // per recorded boundary: the op charged until the next one (-1: none)
+  std::vector<capture::OpIndex> stack;
+
+  void boundary() {
+    if (used == pool.size()) pool.emplace_back(EventOptions{});
+    pool[used].record(c10::cuda::getCurrentCUDAStream().stream());
+    ++used;
+    segment_op.push_back(stack.empty() ? -1 : stack.back());
+  }
 };
 
 EventOpTimer::EventOpTimer() : impl_(std::make_unique<Impl>()) {}
 EventOpTimer::~EventOpTimer() = default;
 
+void EventOpTimer::reserve(size_t ops) {
+  while (impl_->pool.size() < 2 * ops) impl_->pool.emplace_back(EventOptions{});
+  impl_->segment_op.reserve(2 * ops);
+  impl_->stack.reserve(16);
+}
+
 void EventOpTimer::begin(capture::OpIndex op) {
-  if (impl_->open) throw std::logic_error("EventOpTimer::begin: the previous op was not ended");
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  impl_->spans.push_back({op, Event(EventOptions{}), Event(EventOptions{})});
-  impl_->spans.back().start.record(s);
-  impl_->open = true;
+  impl_->stack.push_back(op);
+  try {
+    impl_->boundary();
+  } catch (...) {
+    impl_->stack.pop_back();
+    throw;
+  }
 }
 
 void EventOpTimer::end() {
-  if (!impl_->open) throw std::logic_error("EventOpTimer::end: no op begun");
-  impl_->spans.back().end.record(c10::cuda::getCurrentCUDAStream().stream());
-  impl_->open = false;
+  if (impl_->stack.empty()) throw std::logic_error("EventOpTimer::end: no op begun");
+  const capture::OpIndex op = impl_->stack.back();
+  impl_->stack.pop_back();
+  try {
+    impl_->boundary();
+  } catch (...) {
+    impl_->stack.push_back(op);
+    throw;
+  }
 }
 
 std::vector<int64_t> EventOpTimer::collect(size_t n_ops) {
-  if (impl_->open) throw std::logic_error("EventOpTimer::collect: an op is still open");
+  if (!impl_->stack.empty()) throw std::logic_error("EventOpTimer::collect: an op is still open");
   std::vector<int64_t> ns(n_ops, 0);
-  if (!impl_->spans.empty()) TAPESAC_CUDA_CHECK(cudaEventSynchronize(impl_->spans.back().end.get()));
-  for (const auto& sp : impl_->spans) {
+  const size_t used = impl_->used;
+  impl_->used = 0;
+  std::vector<capture::OpIndex> segment_op;
+  segment_op.swap(impl_->segment_op);  // reset even when a CUDA call below throws
+  impl_->segment_op.reserve(segment_op.size());
+  if (used == 0) return ns;
+  TAPESAC_CUDA_CHECK(cudaEventSynchronize(impl_->pool[used - 1].get()));
+  for (size_t i = 0; i + 1 < used; ++i) {
+    const capture::OpIndex op = segment_op[i];
+    if (op < 0 || static_cast<size_t>(op) >= n_ops) continue;
     float ms = 0.f;
-    TAPESAC_CUDA_CHECK(cudaEventElapsedTime(&ms, sp.start.get(), sp.end.get()));
-    if (sp.op >= 0 && static_cast<size_t>(sp.op) < n_ops) ns[static_cast<size_t>(sp.op)] += static_cast<int64_t>(ms * 1e6);
+    TAPESAC_CUDA_CHECK(cudaEventElapsedTime(&ms, impl_->pool[i].get(), impl_->pool[i + 1].get()));
+    ns[static_cast<size_t>(op)] += static_cast<int64_t>(static_cast<double>(ms) * 1e6);
   }
-  impl_->spans.clear();
   return ns;
+}
+
+void EventOpTimer::reset() noexcept {
+  impl_->used = 0;
+  impl_->segment_op.clear();
+  impl_->stack.clear();
 }
 
 }  // namespace tapesac::cuda

@@ -99,6 +99,48 @@ void Recorder::start() {
                                              .scopes({at::RecordScope::FUNCTION}));
   t_current = this;
   active_ = true;
+  tape_.set_op_timing(options_.time_ops ? OpTiming::kCpuClock : OpTiming::kUntimed);
+}
+
+void Recorder::set_op_timer(std::unique_ptr<OpTimer> timer, std::string why) {
+  if (active_) throw std::logic_error("Recorder::set_op_timer: set the timer before start()");
+  if (timer_) timer_->cancel();
+  timer_ = std::move(timer);
+  timing_note_ = timer_ ? timer_->note() : std::move(why);
+}
+
+void Recorder::drop_timer(const std::string& why) noexcept {
+  if (!timer_) return;
+  timer_->cancel();
+  timer_.reset();
+  try {
+    timing_note_ = why;
+  } catch (...) {
+    timing_note_.clear();
+  }
+}
+
+void Recorder::finish_timer() noexcept {
+  if (!timer_) return;
+  try {
+    size_t open = 0;
+    for (const Frame& f : open_) open += f.timed ? 1 : 0;
+    if (open > 0) {
+      drop_timer("op timer dropped: recording stopped inside " + std::to_string(open) + " op(s)");
+      return;
+    }
+    const OpTiming kind = timer_->kind();
+    try {
+      tape_.set_op_times(kind, timer_->finish(tape_.ops().size()));
+      timer_.reset();
+    } catch (const std::exception& e) {
+      drop_timer(std::string("op timer (") + op_timing_name(kind) + ") failed: " + e.what());
+    }
+  } catch (...) {
+    timing_note_.clear();  // out of memory building the note: the timer goes without one
+    if (timer_) timer_->cancel();
+    timer_.reset();
+  }
 }
 
 void Recorder::stop() noexcept {
@@ -107,6 +149,7 @@ void Recorder::stop() noexcept {
   callback_ = 0;
   if (t_current == this) t_current = nullptr;
   active_ = false;
+  finish_timer();
   call_stack_.clear();
   open_.clear();
   // Identity maps are only needed while the block runs; dropping them releases the weak references.
@@ -375,6 +418,14 @@ void Recorder::enter(const at::RecordFunction& fn) {
     }
     busy_ = false;
     if (options_.time_ops) f.start = std::chrono::steady_clock::now();
+    if (timer_) {
+      try {
+        timer_->begin(f.tape_size);
+        f.timed = true;
+      } catch (const std::exception& e) {
+        drop_timer(std::string("op timer (") + op_timing_name(timer_->kind()) + ") failed at op entry: " + e.what());
+      }
+    }
   } catch (const std::exception& e) {
     busy_ = false;
     error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
@@ -388,6 +439,13 @@ void Recorder::exit(const at::RecordFunction& fn) {
   call_stack_.pop_back();
   if (!tracked) return;
   OpIndex recorded = -1;
+  if (open_.back().timed && timer_) {
+    try {
+      timer_->end();
+    } catch (const std::exception& e) {
+      drop_timer(std::string("op timer (") + op_timing_name(timer_->kind()) + ") failed at op exit: " + e.what());
+    }
+  }
   {
     struct PopFrame {
       std::vector<Frame>& open;

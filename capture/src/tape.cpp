@@ -80,4 +80,13 @@ std::string Tape::to_string() const {
   return os.str();
 }
 
+void Tape::set_op_times(OpTiming source, const std::vector<int64_t>& ns) {
+  if (ns.size() != ops_.size()) {
+    throw std::invalid_argument("Tape::set_op_times: expected " + std::to_string(ops_.size()) + " op times, got " +
+                                std::to_string(ns.size()));
+  }
+  for (size_t i = 0; i < ns.size(); ++i) ops_[i].duration_ns = ns[i];
+  op_timing_ = source;
+}
+
 }  // namespace tapesac::capture

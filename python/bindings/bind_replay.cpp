@@ -42,6 +42,8 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["replay_pieces"] = s.replay_pieces;
   d["planned"] = s.planned;
   d["capture_error"] = s.capture_error;
+  d["op_timing"] = s.op_timing;
+  d["op_timing_note"] = s.op_timing_note;
   d["approx_mlp"] = s.approx.mlp_applied;
   d["approx_mlp_skipped"] = s.approx.mlp_skipped;
   d["approx_units_total"] = s.approx.units_total;
@@ -109,7 +111,8 @@ void bind_replay(py::module_& m) {
       .def(py::init([](const std::string& policy, py::object save_op, bool check_versions, bool check_metadata,
                        bool check_bytes, int64_t memory_limit, size_t timeline_points, py::object arena_pool,
                        int arena_device, const std::string& preserve,
-                       std::shared_ptr<capture::GraphDevice> graph_device, int graph_warmup, size_t max_graphs) {
+                       std::shared_ptr<capture::GraphDevice> graph_device, int graph_warmup, size_t max_graphs,
+                       bool device_timing) {
              SessionOptions o;
              if (policy == "none") {
                o.policy = PolicyKind::kNone;
@@ -144,13 +147,14 @@ void bind_replay(py::module_& m) {
              o.graph_device = std::move(graph_device);
              o.graph.warmup = graph_warmup;
              o.graph.max_graphs = max_graphs;
+             if (device_timing) o.op_timers = capture::device_op_timers(arena_device);  // CUDA device index
              return std::make_unique<Session>(std::move(o));
            }),
            py::arg("policy"), py::arg("save_op") = py::none(), py::arg("check_versions") = true,
            py::arg("check_metadata") = true, py::arg("check_bytes") = false, py::arg("memory_limit") = 0,
            py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0,
            py::arg("preserve") = "regions", py::arg("graph_device") = nullptr, py::arg("graph_warmup") = 1,
-           py::arg("max_graphs") = 8)
+           py::arg("max_graphs") = 8, py::arg("device_timing") = false)
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
       .def_property_readonly("graph_count",
                              [](const Session& s) { return s.graph_cache() ? s.graph_cache()->graphs() : size_t{0}; })

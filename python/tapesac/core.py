@@ -125,6 +125,10 @@ class BlockStats(_Counts):
     predicted_replay_bytes: int = 0
     planned: bool = False
     capture_error: str = ""
+    # Where the tape's op times (the planner's costs) came from: "cupti" or "cuda_events" (device timing, on
+    # CUDA with policy="auto"), "cpu_clock" otherwise; op_timing_note says why the preferred source was not used.
+    op_timing: str = "cpu_clock"
+    op_timing_note: str = ""
     approx_mlp: int = 0
     approx_mlp_skipped: int = 0
     approx_units_total: int = 0
@@ -176,6 +180,8 @@ class StepStats(_Counts):
     graph_captures: int = 0
     graph_fallbacks: int = 0
     graph_fallback_reasons: dict[str, int] = field(default_factory=dict)
+    # The blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ; "" without blocks.
+    op_timing: str = ""
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -443,7 +449,9 @@ class TapeSAC:
                                    memory_limit=limit or 0, arena_pool=arena, graph_device=graph_device,
                                    arena_device=(self._device.index or 0) if self._device.type == "cuda" else 0,
                                    preserve="off" if preserve == "off" or not check else
-                                   "snapshots" if preserve == "snapshots" else "regions")
+                                   "snapshots" if preserve == "snapshots" else "regions",
+                                   # Device op times (CUPTI, else CUDA events) where the planner uses op costs.
+                                   device_timing=self._device.type == "cuda" and self._policy_label == "auto")
         self._preserve = preserve if check else "off"
         self._preserve_choices: dict[int, str] = {}
         self._preserve_trials: list[Any] = []
@@ -739,6 +747,8 @@ class TapeSAC:
                 predicted_replay_bytes=b["predicted_replay_bytes"],
                 planned=bool(b["planned"]),
                 capture_error=b["capture_error"],
+                op_timing=b["op_timing"],
+                op_timing_note=b["op_timing_note"],
                 approx_mlp=b["approx_mlp"],
                 approx_mlp_skipped=b["approx_mlp_skipped"],
                 approx_units_total=b["approx_units_total"],
@@ -797,6 +807,7 @@ class TapeSAC:
             graph_captures=sum(b.graph_captures for b in blocks),
             graph_fallbacks=sum(b.graph_fallbacks for b in blocks),
             graph_fallback_reasons=dict(collections.Counter(b.graph_fallback for b in blocks if b.graph_fallbacks)),
+            op_timing=",".join(sorted({b.op_timing for b in blocks})),
         )
 
     def _warn_unmatched(self) -> None:

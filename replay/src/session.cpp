@@ -92,6 +92,11 @@ void BlockCall::start_forward() {
     forward_begin_ns_ = memory_->counter->elapsed_ns();
   }
   recorder_.set_listener(this);
+  if (options_->op_timers) {  // device op times (capture/op_timer.h); none: the recorder's CPU clock
+    std::string why;
+    std::unique_ptr<capture::OpTimer> timer = options_->op_timers->make(name_, &why);
+    recorder_.set_op_timer(std::move(timer), std::move(why));
+  }
   try {
     recorder_.start();
   } catch (const std::runtime_error& e) {
@@ -218,6 +223,8 @@ void BlockCall::close_forward() {
   st.ops_recorded = static_cast<int64_t>(tape.ops().size());
   st.saved = static_cast<int64_t>(slots_.size());
   st.capture_error = recorder_.error();
+  st.op_timing = capture::op_timing_name(tape.op_timing());
+  st.op_timing_note = recorder_.op_timing_note();
   live_ = recorder_.take_live();
   live_.resize(tape.values().size());
   origins_ = recorder_.take_origins();

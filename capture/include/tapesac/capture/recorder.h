@@ -22,6 +22,7 @@
 
 #include "tapesac/capture/op_info.h"
 #include "tapesac/capture/op_payload.h"
+#include "tapesac/capture/op_timer.h"
 #include "tapesac/capture/ptr_index_map.h"
 #include "tapesac/capture/tape.h"
 
@@ -39,7 +40,7 @@ class RecorderListener {
 struct RecorderOptions {
   /// Snapshot generator state for random ops (needed for exact replay of dropout and friends).
   bool record_rng = true;
-  /// Measure each op's wall-clock duration (CPU clock; on CUDA this is launch time only).
+  /// Measure each op's wall-clock duration (CPU clock; on CUDA this is launch time only; see set_op_timer).
   bool time_ops = true;
   /// Expected number of ops (e.g. from the same block's previous step): tables are pre-sized so that recording
   /// does not reallocate them while the block runs.
@@ -65,6 +66,12 @@ class Recorder {
   static Recorder* current();
 
   void set_listener(RecorderListener* listener) { listener_ = listener; }
+  /// Device times for this block call (Note [Op times], op_timer.h): the recorder owns `timer`, brackets every
+  /// tracked op with it and, when recording stops, replaces the tape's durations by its figures. Null: the CPU
+  /// clock, and `why` says why there is no timer. Set before start(); the CPU clock still runs as the fallback.
+  void set_op_timer(std::unique_ptr<OpTimer> timer, std::string why = {});
+  /// Why the tape's times are not the timer's (it was refused or failed), or the timer's own note; "" otherwise.
+  const std::string& op_timing_note() const { return timing_note_; }
 
   const Tape& tape() const { return tape_; }
   const std::vector<OpPayload>& payloads() const { return payloads_; }
@@ -97,6 +104,7 @@ class Recorder {
     bool composite = false;  // statically decomposes; see Note [Composite ops that run themselves]
     bool has_tensor_args = false;
     OpIndex tape_size = 0;   // tape length when the op started
+    bool timed = false;      // the op timer has a bracket open for this frame
     std::chrono::steady_clock::time_point start;
   };
 
@@ -114,6 +122,10 @@ class Recorder {
   void add_input(Frame& f, const at::Tensor& t, int arg, int elem);
   void link_value(ValueId v, StorageId s);
   void capture_rng(Frame& f, const at::RecordFunction& fn);
+  /// The op timer threw or gave unusable figures: cancel it, keep the CPU clock, remember why.
+  void drop_timer(const std::string& why) noexcept;
+  /// Recording stops: the timer's figures replace the tape's durations (or the timer is dropped).
+  void finish_timer() noexcept;
 
   RecorderOptions options_;
   bool active_ = false;
@@ -142,6 +154,8 @@ class Recorder {
   bool composite_ = false;  // out-parameters of should_record()
   bool has_tensor_args_ = false;
   std::string error_;
+  std::unique_ptr<OpTimer> timer_;  // null: CPU clock only
+  std::string timing_note_;
   // Per-thread cache from RecordFunction::name() (stable per schema) to OpInfo.
   std::unordered_map<const char*, const OpInfo*> info_by_name_;
 };

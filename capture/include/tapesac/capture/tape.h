@@ -86,6 +86,25 @@ enum OpFlag : uint32_t {
   kNondeterministic = 1u << 4,
 };
 
+/// Where a tape's OpRecord::duration_ns figures come from (see Note [Op times] in op_timer.h).
+enum class OpTiming : uint8_t {
+  kUntimed,     ///< not measured (RecorderOptions::time_ops off): every duration is 0
+  kCpuClock,    ///< CPU steady clock from op entry to exit (on CUDA: launch overhead, not the op's cost)
+  kCudaEvents,  ///< CUDA events around each op: stream time, gaps included
+  kCupti,       ///< CUPTI activity records: the device time of the op's kernels, memcpys and memsets
+};
+
+/// "untimed", "cpu_clock", "cuda_events" or "cupti".
+inline const char* op_timing_name(OpTiming t) {
+  switch (t) {
+    case OpTiming::kUntimed: return "untimed";
+    case OpTiming::kCpuClock: return "cpu_clock";
+    case OpTiming::kCudaEvents: return "cuda_events";
+    case OpTiming::kCupti: return "cupti";
+  }
+  return "untimed";
+}
+
 struct OpRecord {
   OpKind kind = -1;
   uint32_t flags = 0;
@@ -130,6 +149,13 @@ class Tape {
   /// Current state of a storage while recording (== final state once the block closed).
   int32_t state_of(StorageId s) const { return storage(s).final_state(); }
 
+  /// Where the ops' duration_ns come from.
+  OpTiming op_timing() const { return op_timing_; }
+  void set_op_timing(OpTiming t) { op_timing_ = t; }
+  /// Replaces every op's duration_ns by `ns` (one per op, in tape order) measured by `source`. Throws
+  /// std::invalid_argument when the sizes differ (the tape is then unchanged).
+  void set_op_times(OpTiming source, const std::vector<int64_t>& ns);
+
   /// Human-readable dump (one op per line) for tests and error messages.
   std::string to_string() const;
 
@@ -137,6 +163,7 @@ class Tape {
   std::vector<OpRecord> ops_;
   std::vector<ValueInfo> values_;
   std::vector<StorageInfo> storages_;
+  OpTiming op_timing_ = OpTiming::kUntimed;
 };
 
 }  // namespace tapesac::capture

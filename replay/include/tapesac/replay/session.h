@@ -78,6 +78,8 @@ struct SessionOptions {
   /// Graph replay (graph_block.h): the device that captures and launches block graphs; null: eager replay only.
   std::shared_ptr<capture::GraphDevice> graph_device;
   GraphOptions graph;
+  /// Device op times for the planner (capture/op_timer.h, e.g. capture::device_op_timers()); null: CPU clock.
+  std::shared_ptr<capture::OpTimerFactory> op_timers;
 };
 
 /// A span of the step's timeline: one block's forward or one replay.
@@ -155,6 +157,9 @@ struct BlockStats {
   int64_t planned = 0;
   uint64_t signature = 0;
   std::string capture_error;
+  /// Where the tape's op times come from (capture::op_timing_name) and why not from the device timer, if so.
+  std::string op_timing;
+  std::string op_timing_note;
   /// Approximate rematerialization (Session::set_approx): what was matched and how many units replay recomputes.
   ApproxStats approx;
   /// Graph replay (SessionOptions::graph_device): replays launched as a graph, graphs captured by this call's

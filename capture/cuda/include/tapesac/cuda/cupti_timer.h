@@ -10,8 +10,9 @@
 //  * push(external_id)/pop() bracket one op's dispatch on the calling thread (CUSTOM2 external correlation ids,
 //    capture::external_id(block, op)); stop() synchronises the device, flushes, disables and unsubscribes, and
 //    returns the records; join them with capture::attribute_kernel_times (kernel_times.h).
-//  * EventOpTimer records a pair of timing events around each op on the current stream and reads all of them
-//    after one synchronisation (stream time, including gaps; see reference/cuda.md §C6).
+//  * EventOpTimer records a timing event at each op boundary on the current stream (from a pool reused across
+//    blocks) and reads all of them after one synchronisation (stream time, including gaps; see reference/cuda.md
+//    §C6); brackets nest, each segment is charged to the innermost open op.
 //  * Everything here needs a CUDA device except CuptiTimer::start()'s refusals; not thread-safe.
 //  Written against CUDA 13.0; compiled and linked in CI, not yet run on a GPU.
 #pragma once
@@ -70,13 +71,18 @@ class EventOpTimer {
   EventOpTimer(const EventOpTimer&) = delete;
   EventOpTimer& operator=(const EventOpTimer&) = delete;
 
-  /// Records the start of op `op` on the current CUDA stream.
+  /// Creates the events of `ops` brackets up front (they are otherwise created on first need and then reused).
+  void reserve(size_t ops);
+  /// Records the start of op `op` on the current CUDA stream. Brackets nest: an open op's time stops while an
+  /// inner one runs (exclusive time).
   void begin(capture::OpIndex op);
-  /// Records the end of the op begun last.
+  /// Records the end of the innermost open op. Throws std::logic_error when none is open.
   void end();
   /// Synchronises on the last event and returns nanoseconds per op (size n_ops; ops never timed are 0; an op timed
-  /// several times accumulates). Resets the timer.
+  /// several times accumulates). Resets the timer (its events are kept for reuse).
   std::vector<int64_t> collect(size_t n_ops);
+  /// Forgets every bracket (open ones included) without reading them. Never throws.
+  void reset() noexcept;
 
  private:
   struct Impl;

@@ -156,11 +156,21 @@ void bind_replay(py::module_& m) {
            py::arg("preserve") = "regions", py::arg("graph_device") = nullptr, py::arg("graph_warmup") = 1,
            py::arg("max_graphs") = 8, py::arg("device_timing") = false)
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
+      .def("set_graph_memory_limit", &Session::set_graph_memory_limit, py::arg("bytes"))
       .def_property_readonly("graph_count",
                              [](const Session& s) { return s.graph_cache() ? s.graph_cache()->graphs() : size_t{0}; })
       .def_property_readonly("graph_static_bytes", [](const Session& s) {
         return s.graph_cache() ? s.graph_cache()->static_bytes() : int64_t{0};
       })
+      .def_property_readonly("graph_pending_bytes", [](const Session& s) {
+        return s.graph_cache() ? s.graph_cache()->pending_bytes() : int64_t{0};
+      })
+      .def(
+          "set_graph_capture",
+          [](Session& s, bool enabled) {
+            if (s.graph_cache()) s.graph_cache()->set_capture_enabled(enabled);
+          },
+          py::arg("enabled"))
       .def(
           "set_approx",
           [](Session& s, double fraction, const std::string& method, bool mlp, bool attn, uint64_t seed,

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .errors import ConfigError, TapeSACError
+from .errors import ConfigError, MemoryLimitError, TapeSACError
 from . import preserve as _preserve
 from .memory import MemoryStats, parse_memory_limit
 from .preserve import PRESERVE_MODES
@@ -465,6 +465,7 @@ class TapeSAC:
                                      attn="attn" in approx.targets, seed=approx.seed)
         self._planner = None
         self._limit = limit or 0
+        self._session.set_graph_memory_limit(self._limit)
         self._model_error = 0
         self._recalibrations = 0
         self._plan: dict[str, Any] | None = None
@@ -682,6 +683,22 @@ class TapeSAC:
         # After a re-calibration the model is no longer conservative by construction: keep 1% of the limit spare.
         margin = max(self._model_error, int(0.01 * limit) if self._recalibrations else 0)
         info = dict(self._planner.plan(limit - margin, calibrate_on))
+        # Graph replay: the static memory of the graphs not captured yet must fit beside the plan. A plan that keeps
+        # everything replays nothing and needs no graph; otherwise the plan leaves room for the graphs when some
+        # plan can, and else gets the whole limit while those blocks keep replaying eagerly (fallback memory_limit).
+        reserve = self._session.graph_pending_bytes
+        if reserve:
+            capture = False
+            if not info["keeps_everything"]:
+                try:
+                    info = dict(self._planner.plan(limit - margin - reserve, calibrate_on))
+                    capture = True
+                except MemoryLimitError:
+                    pass
+            self._session.set_graph_capture(capture)
+            reserve = reserve if capture else 0
+        info["graph_reserve_bytes"] = reserve
+        info["predicted_peak_bytes"] += reserve
         info["limit"] = limit
         info["margin_bytes"] = margin
         info["reason"] = reason
@@ -885,6 +902,7 @@ class TapeSAC:
             raise ConfigError("policy='auto' needs a memory_limit; to run without one create a TapeSAC with "
                               "policy='full' or 'none'")
         self._session.set_memory_limit(limit)
+        self._session.set_graph_memory_limit(limit)
         self._limit = limit
         if self._preserve_mode is not None and self._preserve_trials:
             # preserve="auto": choose again from the measured trials under the new limit.

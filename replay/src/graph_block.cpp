@@ -240,8 +240,24 @@ size_t GraphCache::graphs() const {
 int64_t GraphCache::static_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;
-  for (const auto& [key, e] : entries_) total += e->bytes;
+  for (const auto& [key, e] : entries_) {
+    if (e->exec) total += e->bytes;
+  }
   return total;
+}
+
+int64_t GraphCache::pending_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const auto& [key, e] : entries_) {
+    if (!e->exec && e->failed == GraphFallback::kNone) total += e->bytes;
+  }
+  return total;
+}
+
+void GraphCache::set_capture_enabled(bool enabled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  capture_enabled_ = enabled;
 }
 
 GraphCache::Entry* GraphCache::find_or_add(uint64_t key) {
@@ -286,15 +302,6 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
   if (e.failed != GraphFallback::kNone) return refuse(e.failed, e.failed_detail);
 
   if (!e.exec) {
-    if (e.eager < options_.warmup) {
-      ++e.eager;
-      out.warmup = true;
-      return {};
-    }
-    if (captured_ >= options_.max_graphs) {
-      return refuse(GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
-                                                    " graphs already (max_graphs); this block replays eagerly");
-    }
     // What the capture will hold: every storage a captured op creates, and a static buffer per value it reads live.
     int64_t bytes = 0;
     for (OpIndex i : graph_ops) {
@@ -305,6 +312,21 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     }
     for (size_t v = 0; v < capture_live.size(); ++v) {
       if (capture_live[v]) bytes += tape.values()[v].meta.nbytes;
+    }
+    e.bytes = bytes;  // pending until captured (pending_bytes)
+    if (e.eager < options_.warmup) {
+      ++e.eager;
+      out.warmup = true;
+      return {};
+    }
+    if (!capture_enabled_) {
+      return refuse(GraphFallback::kMemoryLimit,
+                    "the plan under memory_limit leaves no room for the graph's " + std::to_string(bytes) +
+                        " bytes of static memory; this block replays eagerly");
+    }
+    if (captured_ >= options_.max_graphs) {
+      return refuse(GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
+                                                    " graphs already (max_graphs); this block replays eagerly");
     }
     if (call.memory_limit > 0 && call.last_peak == 0) {
       out.warmup = true;  // no step measured yet: the statics' room under the limit is unknown
@@ -347,33 +369,10 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     src.live = &inputs;
     src.available = &capture_live;
     ReplayOptions ro;
-    ro.set_rng = false;
+    ro.set_rng = device_->capture_executes();
     ro.observer = &forward;
     std::vector<at::Tensor> env;
     std::string error;
-    // The capture run draws from the live generators (emulation) or reserves offsets in them: put them back, the
-    // step's random stream must not move.
-    std::vector<std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> generators;
-    for (OpIndex i : graph_ops) {
-      const OpPayload& p = (*call.payloads)[static_cast<size_t>(i)];
-      if (!p.generator.has_value()) continue;
-      at::Generator gen = *p.generator;
-      const bool seen = std::any_of(generators.begin(), generators.end(), [&gen](const auto& g) {
-        return g.first.unsafeGetGeneratorImpl() == gen.unsafeGetGeneratorImpl();
-      });
-      if (seen) continue;
-      std::lock_guard<std::mutex> glock(gen.mutex());
-      generators.emplace_back(gen, gen.unsafeGetGeneratorImpl()->get_state());
-    }
-    struct RestoreGenerators {
-      decltype(generators)& saved;
-      ~RestoreGenerators() {
-        for (auto& [gen, state] : saved) {
-          std::lock_guard<std::mutex> glock(gen.mutex());
-          gen.unsafeGetGeneratorImpl()->set_state(*state);
-        }
-      }
-    } restore_generators{generators};
     device_->begin_capture();
     try {
       env = run_ops(src, graph_ops, ro);
@@ -412,7 +411,6 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     }
     e.payloads = *call.payloads;
     e.applied.assign(e.exec->topology().node_count(), 1);
-    e.bytes = bytes;
     ++captured_;
     out.captured = true;
   }

@@ -129,6 +129,7 @@ class EmulatedExec final : public capture::ExecGraph {
 class EmulatedGraphDevice final : public capture::GraphDevice {
  public:
   const char* name() const override { return "emulated"; }
+  bool capture_executes() const override { return true; }
 
   void begin_capture() override {
     if (capturing_) throw std::logic_error("EmulatedGraphDevice::begin_capture: a capture is already in progress");

@@ -619,7 +619,7 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vecto
   call.live = &live;
   call.available = &available_;
   call.signature = st.signature;
-  call.memory_limit = options_->memory_limit;
+  call.memory_limit = std::max(options_->memory_limit, options_->graph_memory_limit);
   if (call.memory_limit > 0) {
     // The graph's static memory stays for the rest of the step and every later one: it must fit on top of the
     // step's peak so far and of the previous step's measured peak, not only of what is in use now.

@@ -152,3 +152,69 @@ def test_graph_static_memory_is_part_of_the_baseline() -> None:
     assert held > 0
     params = sum(p.numel() * p.element_size() for p in res.model.parameters())
     assert res.stats.memory.baseline_bytes >= params + held  # params, their grads and the graph
+
+
+def _auto_run(limit_of, steps: int = 4):
+    """tiny Qwen3 under policy="auto" with the emulated graph backend at limit_of(full_peak, none_peak): per-step
+    stats and plans; every step's gradients bitwise equal to a plain run's."""
+    import tapesac
+    from tapesac.models import tiny_qwen3
+
+    from conftest import assert_same_grads
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 259, (4, 128), generator=g)
+    peaks = {}
+    for policy in ("none", "full"):
+        torch.manual_seed(0)
+        m = tiny_qwen3()
+        sac = tapesac.TapeSAC(m, policy=policy, backend="eager")
+        with sac.step():
+            m(input_ids=x, labels=x).loss.backward()
+        peaks[policy] = sac.last_step.memory.peak_bytes
+        sac.close()
+    limit = limit_of(peaks["full"], peaks["none"])
+    torch.manual_seed(0)
+    model = tiny_qwen3()
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, memory_limit=limit, backend="emulated_graph")
+    stats = []
+    try:
+        for i in range(steps):
+            with sac.step():
+                model(input_ids=x, labels=x).loss.backward()
+            ref(input_ids=x, labels=x).loss.backward()
+            assert_same_grads(model, ref, f"step {i}")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            st = sac.last_step
+            assert st.memory.peak_bytes <= limit, (i, st.memory.peak_bytes, limit)
+            stats.append(st)
+        return stats, sac.plan, peaks, sac._session
+    finally:
+        sac.close()
+
+
+def test_planner_leaves_room_for_the_graphs() -> None:
+    """With room under the limit, the plan reserves the graph's static memory (measured on the first step's
+    warm-ups), the graph is captured on the second step and every later replay launches it, under the limit."""
+    stats, plan, _, session = _auto_run(lambda full, none: int(full + 0.7 * (none - full)))
+    assert [s.graph_captures for s in stats] == [0, 1, 0, 0]
+    assert stats[0].graph_replays == 0  # measuring step: the statics' room is not known yet
+    assert stats[-1].graph_replays == stats[-1].replays > 0 and stats[-1].graph_fallbacks == 0
+    assert plan["graph_reserve_bytes"] == session.graph_static_bytes > 0
+
+
+def test_no_room_for_the_graphs_replays_eagerly() -> None:
+    stats, plan, _, session = _auto_run(lambda full, none: int(full + 0.3 * (none - full)))
+    assert plan["graph_reserve_bytes"] == 0 and session.graph_count == 0
+    assert stats[-1].graph_fallback_reasons == {"memory_limit": stats[-1].graph_fallbacks}
+    assert stats[-1].graph_fallbacks == stats[-1].replays > 0
+    assert "no room" in stats[-1].blocks[0].graph_detail
+
+
+def test_a_plan_that_keeps_everything_needs_no_graph() -> None:
+    stats, plan, peaks, session = _auto_run(lambda full, none: none)
+    assert plan["keeps_everything"] and plan["graph_reserve_bytes"] == 0
+    assert stats[-1].replays == 0 and session.graph_count == 0
+    assert stats[-1].memory.peak_bytes == peaks["none"]

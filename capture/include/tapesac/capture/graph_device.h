@@ -39,6 +39,10 @@ class GraphDevice {
   virtual ~GraphDevice() = default;
   /// "cuda_graph" or "emulated".
   virtual const char* name() const = 0;
+  /// True when the capture run really executes the ops (the emulation): it then draws random numbers like an
+  /// eager replay (each random op at its recorded state, the live generators untouched). A CUDA capture executes
+  /// nothing and must leave the generators alone: its random kernels take their offsets from the launch.
+  virtual bool capture_executes() const { return false; }
   virtual void begin_capture() = 0;
   virtual void after_op(OpIndex op, const torch::jit::Stack& args, const std::vector<at::Tensor>& outputs) = 0;
   virtual std::unique_ptr<ExecGraph> end_capture(std::string* error) = 0;

@@ -107,6 +107,11 @@ class GraphCache {
   size_t graphs() const;
   /// Bytes of the static tensors the captured graphs hold (their memory cost between steps).
   int64_t static_bytes() const;
+  /// Bytes the keys warmed up but not captured yet will hold once captured (what a planner must leave room for).
+  int64_t pending_bytes() const;
+  /// Whether new keys may be captured (a planner that found no room for pending_bytes() turns it off: those
+  /// blocks then replay eagerly, fallback memory_limit). Already captured graphs keep launching.
+  void set_capture_enabled(bool enabled);
 
  private:
   struct Entry;
@@ -117,6 +122,7 @@ class GraphCache {
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, std::unique_ptr<Entry>> entries_;
   size_t captured_ = 0;
+  bool capture_enabled_ = true;
 };
 
 }  // namespace tapesac::replay

@@ -78,6 +78,9 @@ struct SessionOptions {
   /// Graph replay (graph_block.h): the device that captures and launches block graphs; null: eager replay only.
   std::shared_ptr<capture::GraphDevice> graph_device;
   GraphOptions graph;
+  /// The step-peak limit graph captures must respect (bytes, 0: none), also on the steps where memory_limit is
+  /// switched off (a planner's measuring step): a graph's static memory stays for every later step.
+  int64_t graph_memory_limit = 0;
   /// Device op times for the planner (capture/op_timer.h, e.g. capture::device_op_timers()); null: CPU clock.
   std::shared_ptr<capture::OpTimerFactory> op_timers;
 };
@@ -335,6 +338,7 @@ class Session {
   /// Memory of the last finished step.
   const StepMemoryStats& last_memory() const { return last_memory_; }
   void set_memory_limit(int64_t bytes);
+  void set_graph_memory_limit(int64_t bytes) { options_.graph_memory_limit = bytes; }
   /// Policy kPlan: the plans by block name (replaces the previous ones). A block call whose tape signature differs
   /// from its plan's, or without a plan, runs as "full" (BlockStats::planned == 0).
   void set_plans(std::unordered_map<std::string, BlockPlan> plans);

@@ -860,6 +860,7 @@ void Session::set_approx(std::shared_ptr<Approx> approx) {
 void Session::shutdown() noexcept {
   end_step();
   allocator_use_.reset();
+  graphs_.reset();  // the graphs' static memory goes now, not when the Session object does
 }
 
 void Session::set_memory_limit(int64_t bytes) {

@@ -363,8 +363,8 @@ class Session {
   int64_t last_peak() const { return last_peak_; }
   /// The graph cache (null without SessionOptions::graph_device).
   GraphCache* graph_cache() const { return graphs_.get(); }
-  /// Ends the step if one is open and removes the counting allocator layer this Session installed (it is
-  /// installed again by the next begin_step()). Never throws.
+  /// Ends the step if one is open, removes the counting allocator layer this Session installed (it is installed
+  /// again by the next begin_step()) and releases the captured graphs (later replays are eager). Never throws.
   void shutdown() noexcept;
 
  private:

@@ -104,9 +104,10 @@ bool hash_ivalue(const c10::IValue& v, Fnv& h) {
   return true;
 }
 
-/// Stages `src` into `dst` (same sizes and strides). Dimensions of stride 0 (expanded views) are copied once.
-/// False when `dst` overlaps itself in another way (nothing copied).
+/// Stages `src` into `dst`. Dimensions of stride 0 (expanded views) are copied once. False (nothing copied) when
+/// the sizes or dtypes differ (the live tensor was replaced by another shape) or `dst` overlaps itself otherwise.
 bool stage_into(capture::GraphDevice& device, at::Tensor dst, at::Tensor src) {
+  if (!dst.sizes().equals(src.sizes()) || dst.scalar_type() != src.scalar_type()) return false;
   // Below autograd: a static buffer must never join the autograd graph (a backward with create_graph runs with grad
   // mode on) nor have its version bumped.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -488,7 +489,8 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     if (same_memory(dst, src)) continue;
     if (!stage_into(*device_, dst, src)) {
       return refuse(GraphFallback::kStagingConflict,
-                    "v" + std::to_string(v) + " overlaps itself in a way that cannot be staged");
+                    "v" + std::to_string(v) + " cannot be staged: its live tensor has another shape or dtype than "
+                    "at the forward, or it overlaps itself");
     }
     out.staged_bytes += tensor_bytes(src);
   }

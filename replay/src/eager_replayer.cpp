@@ -22,33 +22,13 @@ using capture::OpPayload;
 using capture::OpRecord;
 
 std::string op_label(const Tape& tape, OpIndex i) {
-  return "#" + std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind);
+  // Appended piece by piece: `"#" + std::string` trips GCC 12's -Wrestrict false positive (GCC bug 105651).
+  std::string label("#");
+  label += std::to_string(i);
+  label += ' ';
+  label += capture::op_kind_name(tape.op(i).kind);
+  return label;
 }
-
-// Saves the state of every generator a replay touches and puts it back on destruction: replay must leave the
-// generators exactly as the forward and backward left them.
-class GeneratorRestorer {
- public:
-  void remember(at::Generator gen) {
-    c10::GeneratorImpl* impl = gen.unsafeGetGeneratorImpl();
-    if (saved_.count(impl)) return;
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    saved_.emplace(impl, Entry{gen, impl->get_state()});
-  }
-  ~GeneratorRestorer() {
-    for (auto& [impl, e] : saved_) {
-      std::lock_guard<std::mutex> lock(e.gen.mutex());
-      impl->set_state(*e.state);
-    }
-  }
-
- private:
-  struct Entry {
-    at::Generator gen;
-    c10::intrusive_ptr<c10::TensorImpl> state;
-  };
-  std::map<c10::GeneratorImpl*, Entry> saved_;
-};
 
 std::string describe(const std::vector<int64_t>& v) {
   std::ostringstream os;
@@ -148,29 +128,7 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
         list.set(static_cast<size_t>(a.elem), t);
       }
     }
-    if (options.set_rng && payload.generator.has_value()) {
-      const auto garg = static_cast<size_t>(payload.generator_arg);
-      if (payload.generator_arg >= 0 && garg < stack.size()) {
-        // A private generator at the recorded state: the shared one (other threads may be drawing from it) is
-        // neither read nor advanced.
-        at::Generator gen = *payload.generator;
-        at::Generator priv;
-        {
-          std::lock_guard<std::mutex> lock(gen.mutex());
-          priv = gen.clone();
-        }
-        priv.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
-        stack[garg] = c10::IValue(priv);
-      } else {
-        // No generator argument (e.g. native_dropout draws from the device's default generator): set the shared
-        // generator's state for the call and put it back afterwards. A thread drawing from the same generator
-        // at the same moment would see the recorded state (see README, limits).
-        at::Generator gen = *payload.generator;  // shares the impl; mutex() is non-const
-        restorer.remember(gen);
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
-      }
-    }
+    if (options.set_rng) use_recorded_rng(payload, stack, restorer);
     if (options.observer != nullptr) observed_args.assign(stack.begin(), stack.end());
 
     if (options.op_override == nullptr || !options.op_override->run(i, stack)) payload.handle->callBoxed(stack);
@@ -269,6 +227,44 @@ void flatten_outputs(const torch::jit::Stack& stack, std::vector<at::Tensor>& ou
       }
     }
   }
+}
+
+GeneratorRestorer::~GeneratorRestorer() {
+  for (auto& [impl, e] : saved_) {
+    std::lock_guard<std::mutex> lock(e.first.mutex());
+    impl->set_state(*e.second);
+  }
+}
+
+void GeneratorRestorer::remember(at::Generator gen) {
+  c10::GeneratorImpl* impl = gen.unsafeGetGeneratorImpl();
+  if (saved_.count(impl)) return;
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  saved_.emplace(impl, std::make_pair(gen, impl->get_state()));
+}
+
+void use_recorded_rng(const capture::OpPayload& payload, torch::jit::Stack& stack, GeneratorRestorer& restorer) {
+  if (!payload.generator.has_value()) return;
+  at::Generator gen = *payload.generator;  // shares the impl; mutex() is non-const
+  const auto garg = static_cast<size_t>(payload.generator_arg);
+  if (payload.generator_arg >= 0 && garg < stack.size()) {
+    // A private generator at the recorded state: the shared one (other threads may be drawing from it) is neither
+    // read nor advanced.
+    at::Generator priv;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      priv = gen.clone();
+    }
+    priv.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
+    stack[garg] = c10::IValue(priv);
+    return;
+  }
+  // No generator argument (e.g. native_dropout draws from the device's default generator): set the shared
+  // generator's state for the call; the restorer puts it back. A thread drawing from the same generator at the same
+  // moment would see the recorded state (see README, limits).
+  restorer.remember(gen);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.unsafeGetGeneratorImpl()->set_state(*payload.generator_state);
 }
 
 std::vector<at::Tensor> run_ops(const ReplaySource& source, const std::vector<OpIndex>& ops,

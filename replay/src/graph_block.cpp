@@ -13,6 +13,7 @@
 
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/replay/eager_replayer.h"
+#include "fnv.h"
 
 namespace tapesac::replay {
 namespace {
@@ -22,24 +23,6 @@ using capture::OpFlag;
 using capture::OpPayload;
 using capture::ValueId;
 
-class Fnv {
- public:
-  void mix(uint64_t x) {
-    for (int i = 0; i < 8; ++i) {
-      h_ = (h_ ^ (x & 0xff)) * 1099511628211ull;
-      x >>= 8;
-    }
-  }
-  void mix_bytes(const std::string& s) {
-    mix(s.size());
-    for (const char c : s) h_ = (h_ ^ static_cast<uint8_t>(c)) * 1099511628211ull;
-  }
-  uint64_t value() const { return h_; }
-
- private:
-  uint64_t h_ = 1469598103934665603ull;
-};
-
 uint64_t bits_of(double d) {
   uint64_t u = 0;
   std::memcpy(&u, &d, sizeof u);
@@ -47,7 +30,7 @@ uint64_t bits_of(double d) {
 }
 
 /// Hashes one constant argument; false for kinds that cannot be compared by value.
-bool hash_ivalue(const c10::IValue& v, Fnv& h) {
+bool hash_ivalue(const c10::IValue& v, Fnv64& h) {
   h.mix(static_cast<uint64_t>(v.tagKind().size()));
   if (v.isNone()) {
     h.mix(0);
@@ -191,7 +174,7 @@ std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<ui
 }
 
 bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<OpIndex>& ops, uint64_t* hash) {
-  Fnv h;
+  Fnv64 h;
   for (OpIndex i : ops) {
     const OpPayload& p = payloads.at(static_cast<size_t>(i));
     h.mix(static_cast<uint64_t>(i));
@@ -293,7 +276,7 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     return refuse(GraphFallback::kUnsupportedArgs,
                   "an op of the block has a constant argument that cannot be compared between block calls");
   }
-  Fnv key;
+  Fnv64 key;
   key.mix(call.signature);
   key.mix(constants);
   for (size_t v = 0; v < capture_live.size(); ++v) {

@@ -59,60 +59,30 @@ class EmulatedExec final : public capture::ExecGraph {
     if (current_ == nullptr) throw std::logic_error("EmulatedExec::launch: before_launch() was not called");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    std::map<c10::GeneratorImpl*, std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> restore;
+    GeneratorRestorer restorer;
     std::vector<at::Tensor> outs;
-    try {
-      for (size_t n = 0; n < nodes_.size(); ++n) {
-        const Node& node = nodes_[n];
-        if (node.op == capture::kUnowned || !enabled_[n]) continue;
-        const OpPayload& p = current_->at(static_cast<size_t>(node.op));
-        torch::jit::Stack stack(node.args.begin(), node.args.end());
-        if (p.generator.has_value()) {
-          at::Generator gen = *p.generator;
-          if (p.generator_arg >= 0 && static_cast<size_t>(p.generator_arg) < stack.size()) {
-            at::Generator priv;
-            {
-              std::lock_guard<std::mutex> lock(gen.mutex());
-              priv = gen.clone();
-            }
-            priv.unsafeGetGeneratorImpl()->set_state(*p.generator_state);
-            stack[static_cast<size_t>(p.generator_arg)] = c10::IValue(priv);
-          } else {
-            std::lock_guard<std::mutex> lock(gen.mutex());
-            c10::GeneratorImpl* impl = gen.unsafeGetGeneratorImpl();
-            if (!restore.count(impl)) restore.emplace(impl, std::make_pair(gen, impl->get_state()));
-            impl->set_state(*p.generator_state);
-          }
-        }
-        p.handle->callBoxed(stack);
-        outs.clear();
-        flatten_outputs(stack, outs);
-        for (size_t j = 0; j < outs.size() && j < node.outputs.size(); ++j) {
-          const at::Tensor& dst = node.outputs[j];
-          const at::Tensor& src = outs[j];
-          if (!dst.defined() || !src.defined()) continue;
-          if (dst.data_ptr() == src.data_ptr() && dst.strides().equals(src.strides())) continue;  // view / in place
-          dst.copy_(src);
-        }
+    for (size_t n = 0; n < nodes_.size(); ++n) {
+      const Node& node = nodes_[n];
+      if (node.op == capture::kUnowned || !enabled_[n]) continue;
+      const OpPayload& p = current_->at(static_cast<size_t>(node.op));
+      torch::jit::Stack stack(node.args.begin(), node.args.end());
+      use_recorded_rng(p, stack, restorer);
+      p.handle->callBoxed(stack);
+      outs.clear();
+      flatten_outputs(stack, outs);
+      for (size_t j = 0; j < outs.size() && j < node.outputs.size(); ++j) {
+        const at::Tensor& dst = node.outputs[j];
+        const at::Tensor& src = outs[j];
+        if (!dst.defined() || !src.defined()) continue;
+        if (dst.data_ptr() == src.data_ptr() && dst.strides().equals(src.strides())) continue;  // view / in place
+        dst.copy_(src);
       }
-    } catch (...) {
-      restore_generators(restore);
-      throw;
     }
-    restore_generators(restore);
   }
 
   void set_current(const std::vector<OpPayload>* current) { current_ = current; }
 
  private:
-  using Saved = std::map<c10::GeneratorImpl*, std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>>;
-  static void restore_generators(Saved& saved) {
-    for (auto& [impl, entry] : saved) {
-      std::lock_guard<std::mutex> lock(entry.first.mutex());
-      impl->set_state(*entry.second);
-    }
-  }
-
   void check(NodeId n, const char* what) const {
     if (n < 0 || static_cast<size_t>(n) >= nodes_.size()) {
       throw std::invalid_argument(std::string("EmulatedExec::") + what + ": node " + std::to_string(n) +
@@ -172,10 +142,7 @@ class EmulatedGraphDevice final : public capture::GraphDevice {
 
   void after_launch(capture::ExecGraph& exec) noexcept override { static_cast<EmulatedExec&>(exec).set_current(nullptr); }
 
-  void stage(const at::Tensor& dst, const at::Tensor& src) override {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    dst.copy_(src);
-  }
+  void stage(const at::Tensor& dst, const at::Tensor& src) override { dst.copy_(src); }
 
  private:
   bool capturing_ = false;

@@ -11,6 +11,7 @@
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/capture/op_kinds.h"
+#include "fnv.h"
 
 namespace tapesac::replay {
 namespace {
@@ -425,13 +426,8 @@ const BlockPlan* BlockCall::find_plan() const {
 
 uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates) {
   // FNV-1a over the structure; sizes included, durations and addresses not.
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](uint64_t x) {
-    for (int i = 0; i < 8; ++i) {
-      h = (h ^ (x & 0xff)) * 1099511628211ull;
-      x >>= 8;
-    }
-  };
+  Fnv64 fnv;
+  auto mix = [&fnv](uint64_t x) { fnv.mix(x); };
   mix(tape.ops().size());
   mix(tape.values().size());
   for (const capture::OpRecord& op : tape.ops()) {
@@ -450,7 +446,7 @@ uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates
   for (const capture::StorageInfo& st : tape.storages()) mix(static_cast<uint64_t>(st.nbytes));
   mix(candidates.size());
   for (ValueId v : candidates) mix(static_cast<uint64_t>(v));
-  return h;
+  return fnv.value();
 }
 
 void BlockCall::check_version(const Slot& s, int32_t slot) const {
@@ -589,14 +585,17 @@ std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read
   throw Error(ErrorKind::kMemoryLimit, allocator::rejection_message(d, name_, "the backward (replay)"));
 }
 
+int BlockCall::live_cuda_device() const {
+  for (const at::Tensor& t : live_) {
+    if (t.defined()) return t.is_cuda() ? t.get_device() : -1;
+  }
+  return -1;
+}
+
 int64_t BlockCall::in_use_now() const {
   int64_t in_use = memory_ ? memory_->in_use() : 0;
 #ifdef TAPESAC_WITH_CUDA
-  for (const at::Tensor& t : live_) {
-    if (!t.defined()) continue;
-    if (t.is_cuda()) in_use = cuda::allocated_bytes(t.get_device());
-    break;
-  }
+  if (const int dev = live_cuda_device(); dev >= 0) in_use = cuda::allocated_bytes(dev);
 #endif
   return in_use;
 }
@@ -627,10 +626,8 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vecto
     if (memory_ && memory_->counter) call.in_use = std::max(call.in_use, memory_->baseline + memory_->counter->total().peak);
     call.last_peak = session_->last_peak();
 #ifdef TAPESAC_WITH_CUDA
-    for (const at::Tensor& t : live_) {
-      if (!t.defined()) continue;
-      if (t.is_cuda()) call.in_use = std::max(call.in_use, cuda::device_memory(t.get_device()).allocated_peak);
-      break;
+    if (const int dev = live_cuda_device(); dev >= 0) {
+      call.in_use = std::max(call.in_use, cuda::device_memory(dev).allocated_peak);
     }
 #endif
   }

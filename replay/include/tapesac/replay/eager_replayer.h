@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -73,6 +75,26 @@ int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std
 /// the same source; generator states are restored even when it throws.
 std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,
                                                const ReplayOptions& options, ReplayStats* stats);
+
+/// Saves the state of every generator a replay touches and puts it back on destruction: replay must leave the
+/// generators exactly as the forward and backward left them.
+class GeneratorRestorer {
+ public:
+  GeneratorRestorer() = default;
+  GeneratorRestorer(const GeneratorRestorer&) = delete;
+  GeneratorRestorer& operator=(const GeneratorRestorer&) = delete;
+  ~GeneratorRestorer();
+  /// Remembers `gen`'s state now (first call per generator only).
+  void remember(at::Generator gen);
+
+ private:
+  std::map<c10::GeneratorImpl*, std::pair<at::Generator, c10::intrusive_ptr<c10::TensorImpl>>> saved_;
+};
+
+/// Makes a random op about to run from `stack` draw what its forward drew (no-op for other ops): a private generator
+/// at the recorded state in its generator argument, or, without one, the shared generator set to that state
+/// (`restorer` puts it back).
+void use_recorded_rng(const capture::OpPayload& payload, torch::jit::Stack& stack, GeneratorRestorer& restorer);
 
 /// Appends the tensors an op left on `stack` to `out`, flattened in return order (Tensor[] expanded; an undefined
 /// tensor for a None element of Tensor?[]).

@@ -249,6 +249,8 @@ class BlockCall : public capture::RecorderListener, public std::enable_shared_fr
   /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when
   /// even `wanted` alone cannot fit.
   std::vector<Read> limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan);
+  /// The CUDA device of the tensors this call holds live, or -1 (CPU).
+  int live_cuda_device() const;
   /// Bytes in use now as the memory limit sees them (the device allocator's figure on CUDA).
   int64_t in_use_now() const;
   /// Replays `targets` through the session's graph cache; empty when it ran nothing (warm-up or fallback: the

@@ -112,6 +112,9 @@ void WriteWatcher::put(const Write& w, at::Tensor& region, const at::Tensor& val
 struct WriteWatcher::Entry {
   PreserveMode mode = PreserveMode::kRegions;
   int64_t nbytes = 0;
+  // Entries are keyed by StorageImpl address: the weak hold keeps that address from being reused by another storage
+  // while the entry exists (the bytes are still freed with the last tensor).
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
   int64_t count = 0;       // writes seen since the storage was first watched
   int64_t last_mark = -1;  // the latest mark handed out (marks never decrease)
   bool broken = false;     // saving a write failed: restores refuse
@@ -281,6 +284,7 @@ int64_t WriteWatcher::watch(const at::Tensor& t) {
     e->mode = o != overrides_.end() ? o->second : mode_;
     if (e->mode == PreserveMode::kOff) e->mode = mode_;
     e->nbytes = static_cast<int64_t>(t.storage().nbytes());
+    e->storage.emplace(t.storage().getWeakStorageImpl());
     e->stats.key = capture::storage_key(t);
     e->stats.nbytes = e->nbytes;
   }

@@ -218,13 +218,11 @@ std::unordered_map<uint64_t, capture::OpIndex> CuptiTimer::exec_node_owner(
     throw std::invalid_argument("CuptiTimer::exec_node_owner: " + std::to_string(template_handles.size()) +
                                 " handles but " + std::to_string(owner.size()) + " owners");
   }
-  std::unordered_map<uint64_t, capture::OpIndex> out;
+  std::vector<uint64_t> ids(template_handles.size(), 0);
   for (size_t i = 0; i < owner.size(); ++i) {
-    if (owner[i] < 0) continue;
-    const auto it = records.cloned.find(graph_node_id(template_handles[i]));
-    if (it != records.cloned.end()) out[it->second] = owner[i];
+    if (owner[i] >= 0) ids[i] = graph_node_id(template_handles[i]);
   }
-  return out;
+  return capture::exec_node_owner(ids, owner, records.cloned);
 }
 
 // One event per bracket boundary, reused across collect()s (no event is created per op once the pool covers a

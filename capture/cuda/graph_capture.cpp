@@ -14,7 +14,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include "tapesac/capture/kernel_times.h"
 #include "tapesac/cuda/check.h"
+#include "tapesac/cuda/cupti_timer.h"
 #include "tapesac/cuda/event.h"
 
 namespace tapesac::cuda {
@@ -70,6 +72,9 @@ struct CudaExecGraph::Impl {
   std::unique_ptr<at::cuda::CUDAGraph> graph;  // keep_graph=true: the template outlives instantiation
   std::vector<cudaGraphNode_t> nodes;          // NodeId -> template node
   capture::GraphTopology topo;
+  bool mapped = false;
+  std::unordered_map<uint64_t, capture::OpIndex> exec_owner;  // CUPTI executable-node id -> tape op
+  std::string map_note;
 };
 
 CudaExecGraph::CudaExecGraph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -111,6 +116,12 @@ std::vector<uint64_t> CudaExecGraph::node_handles() const {
   for (const cudaGraphNode_t n : impl_->nodes) out.push_back(handle_of(n));
   return out;
 }
+
+const std::unordered_map<uint64_t, capture::OpIndex>* CudaExecGraph::exec_node_owner() const {
+  return impl_->mapped ? &impl_->exec_owner : nullptr;
+}
+
+const std::string& CudaExecGraph::exec_map_note() const { return impl_->map_note; }
 
 void CudaExecGraph::dump_dot(const std::string& path) const {
   TAPESAC_CUDA_CHECK(cudaGraphDebugDotPrint(impl_->graph->raw_cuda_graph(), path.c_str(),
@@ -225,8 +236,32 @@ CaptureOutcome GraphCapture::end() {
   std::vector<uint64_t> final_handles(final_nodes.size());
   for (size_t i = 0; i < final_nodes.size(); ++i) final_handles[i] = handle_of(final_nodes[i]);
   impl_->attribution.after_unowned(final_handles.data(), final_handles.size());
-  impl_->graph->instantiate();
   const auto& handles = impl_->attribution.handles();
+  std::unique_ptr<CuptiTimer> cupti;
+  if (impl_->options.map_exec_nodes) {
+    cupti = CuptiTimer::start(&exec->map_note);
+    if (!cupti) exec->map_note = "the executable's nodes were not mapped to ops: " + exec->map_note;
+  } else {
+    exec->map_note = "the executable's nodes were not mapped to ops (map_exec_nodes off)";
+  }
+  impl_->graph->instantiate();
+  if (cupti) {
+    try {
+      // Node ids are read while subscribed; the clone map arrives with the records.
+      std::vector<uint64_t> ids(handles.size(), 0);
+      const auto& owner = impl_->attribution.owner();
+      for (size_t i = 0; i < handles.size(); ++i) {
+        if (owner[i] >= 0) ids[i] = cupti->graph_node_id(handles[i]);
+      }
+      const CuptiRecords records = cupti->stop();
+      exec->exec_owner = capture::exec_node_owner(ids, owner, records.cloned);
+      exec->mapped = !exec->exec_owner.empty();
+      if (!exec->mapped) exec->map_note = "CUPTI reported no cloned node for this graph's instantiation";
+    } catch (const std::exception& e) {
+      exec->map_note = std::string("mapping the executable's nodes failed: ") + e.what();
+    }
+    cupti.reset();  // releases CUPTI if stop() did not run
+  }
   exec->nodes.reserve(handles.size());
   exec->topo.owner = impl_->attribution.owner();
   exec->topo.kinds.reserve(handles.size());

@@ -25,6 +25,7 @@
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/cuda/device.h"
+#include "tapesac/cuda/cupti_timer.h"
 #include "tapesac/cuda/graph_capture.h"
 
 namespace tapesac::cuda {
@@ -78,8 +79,8 @@ struct CudaGraphDevice::DeviceGuard {
   c10::cuda::CUDAGuard guard;
 };
 
-CudaGraphDevice::CudaGraphDevice(int device, uint64_t pool_first, uint64_t pool_second)
-    : device_(device), pool_first_(pool_first), pool_second_(pool_second) {
+CudaGraphDevice::CudaGraphDevice(int device, uint64_t pool_first, uint64_t pool_second, bool map_exec_nodes)
+    : device_(device), pool_first_(pool_first), pool_second_(pool_second), map_exec_nodes_(map_exec_nodes) {
   const int n = device_count();
   TAPESAC_CHECK(device >= 0 && device < n, kConfig, "cuda_graph device: expected a CUDA device index in [0, ", n,
                 "), got ", device, n == 0 ? "; this process sees no CUDA device (use backend=\"eager\")" : "");
@@ -107,7 +108,7 @@ void CudaGraphDevice::begin_capture() {
   }
   device_guard_ = std::make_unique<DeviceGuard>(device_);
   try {
-    capture_ = std::make_unique<GraphCapture>(GraphCaptureOptions{pool_first_, pool_second_});
+    capture_ = std::make_unique<GraphCapture>(GraphCaptureOptions{pool_first_, pool_second_, map_exec_nodes_});
     capture_->begin();
   } catch (...) {
     release_capture();
@@ -211,8 +212,47 @@ void CudaGraphDevice::stage(const at::Tensor& dst, const at::Tensor& src) {
   dst.copy_(src, /*non_blocking=*/true);
 }
 
-std::shared_ptr<capture::GraphDevice> make_cuda_graph_device(int device, uint64_t pool_first, uint64_t pool_second) {
-  return std::make_shared<CudaGraphDevice>(device, pool_first, pool_second);
+namespace {
+
+class CuptiLaunchTimer final : public capture::LaunchTimer {
+ public:
+  CuptiLaunchTimer(std::unique_ptr<CuptiTimer> timer, const std::unordered_map<uint64_t, capture::OpIndex>* owner)
+      : timer_(std::move(timer)), owner_(owner) {}
+
+  capture::OpTiming kind() const override { return capture::OpTiming::kCupti; }
+
+  capture::OpKernelTimes finish(size_t n_ops) override {
+    const CuptiRecords records = timer_->stop();  // synchronises the device
+    if (records.dropped > 0) {
+      throw std::runtime_error("CUPTI dropped " + std::to_string(records.dropped) +
+                               " activity records (buffers full); the launch's op times would be short");
+    }
+    // Graph records are attributed by node id alone; no external correlations are needed (block -1 matches none).
+    return capture::attribute_kernel_times(records.activities, {}, -1, n_ops, *owner_);
+  }
+
+ private:
+  std::unique_ptr<CuptiTimer> timer_;  // its destructor releases CUPTI when finish() never ran
+  const std::unordered_map<uint64_t, capture::OpIndex>* owner_;
+};
+
+}  // namespace
+
+std::unique_ptr<capture::LaunchTimer> CudaGraphDevice::time_launch(capture::ExecGraph& exec, std::string* why) {
+  const auto& graph = static_cast<const CudaExecGraph&>(exec);
+  const auto* owner = graph.exec_node_owner();
+  if (owner == nullptr) {
+    *why = graph.exec_map_note();
+    return nullptr;
+  }
+  std::unique_ptr<CuptiTimer> timer = CuptiTimer::start(why);
+  if (!timer) return nullptr;
+  return std::make_unique<CuptiLaunchTimer>(std::move(timer), owner);
+}
+
+std::shared_ptr<capture::GraphDevice> make_cuda_graph_device(int device, uint64_t pool_first, uint64_t pool_second,
+                                                             bool map_exec_nodes) {
+  return std::make_shared<CudaGraphDevice>(device, pool_first, pool_second, map_exec_nodes);
 }
 
 }  // namespace tapesac::cuda

@@ -82,13 +82,14 @@ void bind_allocator(py::module_& m) {
 #ifdef TAPESAC_WITH_CUDA
   m.def(
       "cuda_graph_device",
-      [](int device, std::pair<uint64_t, uint64_t> pool) -> std::shared_ptr<capture::GraphDevice> {
-        return cuda::make_cuda_graph_device(device, pool.first, pool.second);
+      [](int device, std::pair<uint64_t, uint64_t> pool, bool map_nodes) -> std::shared_ptr<capture::GraphDevice> {
+        return cuda::make_cuda_graph_device(device, pool.first, pool.second, map_nodes);
       },
-      py::arg("device"), py::arg("pool"),
+      py::arg("device"), py::arg("pool"), py::arg("map_nodes") = true,
       "The CUDA-graph device of the graph replayer on CUDA device `device`, capturing into the memory pool `pool` "
-      "(a MemPool id tuple; (0, 0): a private pool per capture). Raises ConfigError for a device index outside the "
-      "visible devices.");
+      "(a MemPool id tuple; (0, 0): a private pool per capture). map_nodes: map each graph's executable nodes to "
+      "tape ops at instantiation (CUPTI), so that launches can be timed per op. Raises ConfigError for a device "
+      "index outside the visible devices.");
 #endif
 }
 

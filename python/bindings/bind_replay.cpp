@@ -64,6 +64,18 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   d["graph_staged_bytes"] = s.graph_staged_bytes;
   d["graph_nodes_enabled"] = s.graph_nodes_enabled;
   d["graph_nodes_disabled"] = s.graph_nodes_disabled;
+  d["graph_timed_launches"] = s.graph_timed_launches;
+  d["graph_timing"] = s.graph_timing;
+  d["graph_timing_note"] = s.graph_timing_note;
+  d["graph_device_ns"] = s.graph_device_ns;
+  d["graph_unattributed_ns"] = s.graph_unattributed_ns;
+  py::list op_times;  // (tape op, op name, ns) of the ops whose nodes ran in a timed launch
+  for (size_t i = 0; i < s.graph_op_ns.size(); ++i) {
+    if (s.graph_op_ns[i] <= 0) continue;
+    op_times.append(py::make_tuple(i, i < s.graph_op_names.size() ? s.graph_op_names[i] : std::string(),
+                                   s.graph_op_ns[i]));
+  }
+  d["graph_op_ns"] = op_times;
   return d;
 }
 
@@ -112,7 +124,7 @@ void bind_replay(py::module_& m) {
                        bool check_bytes, int64_t memory_limit, size_t timeline_points, py::object arena_pool,
                        int arena_device, const std::string& preserve,
                        std::shared_ptr<capture::GraphDevice> graph_device, int graph_warmup, size_t max_graphs,
-                       bool device_timing) {
+                       bool device_timing, const std::string& graph_timing) {
              SessionOptions o;
              if (policy == "none") {
                o.policy = PolicyKind::kNone;
@@ -147,6 +159,16 @@ void bind_replay(py::module_& m) {
              o.graph_device = std::move(graph_device);
              o.graph.warmup = graph_warmup;
              o.graph.max_graphs = max_graphs;
+             if (graph_timing == "off") {
+               o.graph.time_launches = replay::LaunchTiming::kOff;
+             } else if (graph_timing == "first") {
+               o.graph.time_launches = replay::LaunchTiming::kFirst;
+             } else if (graph_timing == "every") {
+               o.graph.time_launches = replay::LaunchTiming::kEvery;
+             } else {
+               TAPESAC_CHECK(false, kConfig, "unknown graph_timing '", graph_timing,
+                             "'; expected 'off', 'first' or 'every'");
+             }
              if (device_timing) o.op_timers = capture::device_op_timers(arena_device);  // CUDA device index
              return std::make_unique<Session>(std::move(o));
            }),
@@ -154,7 +176,7 @@ void bind_replay(py::module_& m) {
            py::arg("check_metadata") = true, py::arg("check_bytes") = false, py::arg("memory_limit") = 0,
            py::arg("timeline_points") = 8192, py::arg("arena_pool") = py::none(), py::arg("arena_device") = 0,
            py::arg("preserve") = "regions", py::arg("graph_device") = nullptr, py::arg("graph_warmup") = 1,
-           py::arg("max_graphs") = 8, py::arg("device_timing") = false)
+           py::arg("max_graphs") = 8, py::arg("device_timing") = false, py::arg("graph_timing") = "first")
       .def("set_memory_limit", &Session::set_memory_limit, py::arg("bytes"))
       .def("set_graph_memory_limit", &Session::set_graph_memory_limit, py::arg("bytes"))
       .def_property_readonly("graph_count",

@@ -672,6 +672,27 @@ def _graph_stats(stats: Any) -> dict[str, Any] | None:
     return out
 
 
+def _graph_launch_times(history: Any, top: int = 8) -> dict[str, Any] | None:
+    """The per-op times of the timed graph launches in a tapesac's step history (TapeSAC(graph_timing=...); by
+    default each graph's first launch, during the priming steps): per timed block call its step, source, device
+    time, unattributed time and its `top` most expensive ops; the notes of launches that were to be timed and were
+    not. None when nothing was timed or noted."""
+    timed, notes = [], set()
+    for st in history:
+        for b in getattr(st, "blocks", ()):
+            if getattr(b, "graph_timing_note", ""):
+                notes.add(b.graph_timing_note)
+            if getattr(b, "graph_timed_launches", 0):
+                ops = sorted(b.graph_op_ms, key=lambda t: -t[2])[:top]
+                timed.append({"step": st.step, "block": b.name, "launches": b.graph_timed_launches,
+                              "source": b.graph_timing, "device_ms": b.graph_device_ms,
+                              "unattributed_ms": b.graph_unattributed_ms,
+                              "top_ops_ms": [[i, n, ms] for i, n, ms in ops]})
+    if not timed and not notes:
+        return None
+    return {"timed": timed, "notes": sorted(notes)}
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
@@ -865,6 +886,9 @@ def _validate_and_measure(v: Variant, ctx: Ctx, ref: Snapshot | None, rtol_exact
             graphs = _graph_stats(st)
             if graphs is not None:
                 res["tapesac"].update(graphs)
+            launch_times = _graph_launch_times(v.sac.history)
+            if launch_times is not None:
+                res["tapesac"]["graph_launch_times"] = launch_times
         # One more step, measured (the validation step also warmed the variant up).
         model = work.model if v.model is None else v.model
 

@@ -33,6 +33,7 @@ __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 POLICIES = ("none", "full", "auto")
 BACKENDS = ("auto", "eager", "cuda_graph", "emulated_graph")
 CONTRACTS = ("check", "strict", "off")
+GRAPH_TIMINGS = ("first", "every", "off")
 MAX_PRESERVE_CHOICES = 1024
 HISTORY_STEPS = 1000
 RECALIBRATIONS = 1
@@ -118,7 +119,11 @@ class BlockStats(_Counts):
     ``graph_captures`` graphs this call's replays captured, ``graph_warmups`` eager warm-up replays,
     ``graph_fallbacks`` replays that ran eagerly instead, with the last one's ``graph_fallback`` reason and
     ``graph_detail``; ``graph_staged_bytes`` bytes copied into the graph's static buffers; ``graph_nodes_enabled`` /
-    ``graph_nodes_disabled`` the node mask of the last launch."""
+    ``graph_nodes_disabled`` the node mask of the last launch. Timed launches (``TapeSAC(graph_timing=...)``):
+    ``graph_timed_launches`` how many, ``graph_timing`` the source (``"cupti"``: device time of the graph's
+    kernels; ``"cpu_clock"``: the emulation), ``graph_op_ms`` ``(tape op index, op name, ms)`` of each op whose
+    nodes ran, ``graph_device_ms`` their sum, ``graph_unattributed_ms`` the time of work no op owns (the launch's RNG
+    prologue, copies); ``graph_timing_note`` why a launch that was to be timed was not."""
 
     name: str
     replay_peak_bytes: int = 0
@@ -149,6 +154,12 @@ class BlockStats(_Counts):
     graph_staged_bytes: int = 0
     graph_nodes_enabled: int = 0
     graph_nodes_disabled: int = 0
+    graph_timed_launches: int = 0
+    graph_timing: str = ""
+    graph_timing_note: str = ""
+    graph_op_ms: tuple[tuple[int, str, float], ...] = ()
+    graph_device_ms: float = 0.0
+    graph_unattributed_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,9 @@ class StepStats(_Counts):
     graph_captures: int = 0
     graph_fallbacks: int = 0
     graph_fallback_reasons: dict[str, int] = field(default_factory=dict)
+    # Timed graph launches and the time of their nodes (BlockStats.graph_timed_launches, graph_device_ms).
+    graph_timed_launches: int = 0
+    graph_device_ms: float = 0.0
     # The blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ; "" without blocks.
     op_timing: str = ""
 
@@ -363,6 +377,10 @@ class TapeSAC:
             ``"cuda_graph"`` when both are there, else ``"eager"``. ``"emulated_graph"`` runs the same graph replayer
             with an emulated executable graph on any device (for tests; slower than eager). ``backend`` holds the
             choice.
+        graph_timing: with a graph backend, which launches are timed per op (``BlockStats.graph_op_ms``):
+            ``"first"`` (default) the first launch of each graph, ``"every"`` every launch, ``"off"`` none. On CUDA a
+            timed launch is measured by CUPTI (the device time of each op's kernels) and costs one device
+            synchronisation; when a profiler holds CUPTI the launch runs untimed and ``graph_timing_note`` says so.
         contract: ``"check"`` (version checks on every tensor replay reads and every saved tensor, metadata checks
             on every replayed output), ``"strict"`` (also a byte checksum of each dropped tensor at forward,
             compared after replay: a mismatch raises ReplayContractError), or ``"off"`` (no checks; unsafe).
@@ -389,6 +407,7 @@ class TapeSAC:
         policy: Any = None,
         memory_limit: Any = None,
         backend: str = "auto",
+        graph_timing: str = "first",
         contract: str = "check",
         approx: Approx | None = None,
         log: Any = None,
@@ -407,6 +426,8 @@ class TapeSAC:
         if backend not in BACKENDS:
             raise ConfigError(f"backend={backend!r} is not supported; expected one of {list(BACKENDS)}")
         self.backend = _resolve_backend(backend, self._device)
+        if graph_timing not in GRAPH_TIMINGS:
+            raise ConfigError(f"graph_timing={graph_timing!r} is not supported; expected one of {list(GRAPH_TIMINGS)}")
         if contract not in CONTRACTS:
             raise ConfigError(f"contract={contract!r} is not supported; expected one of {list(CONTRACTS)}")
         if preserve not in PRESERVE_MODES:
@@ -442,7 +463,7 @@ class TapeSAC:
         graph_device = None
         if self.backend == "cuda_graph":
             # Graphs are captured into the replay arena: their static memory is part of it.
-            graph_device = _C.cuda_graph_device(self._device.index or 0, arena)
+            graph_device = _C.cuda_graph_device(self._device.index or 0, arena, map_nodes=graph_timing != "off")
         elif self.backend == "emulated_graph":
             graph_device = _C.emulated_graph_device()
         self._session = _C.Session(session_policy, save_op, check, check, contract == "strict",
@@ -451,7 +472,8 @@ class TapeSAC:
                                    preserve="off" if preserve == "off" or not check else
                                    "snapshots" if preserve == "snapshots" else "regions",
                                    # Device op times (CUPTI, else CUDA events) where the planner uses op costs.
-                                   device_timing=self._device.type == "cuda" and self._policy_label == "auto")
+                                   device_timing=self._device.type == "cuda" and self._policy_label == "auto",
+                                   graph_timing=graph_timing)
         self._preserve = preserve if check else "off"
         self._preserve_choices: dict[int, str] = {}
         self._preserve_trials: list[Any] = []
@@ -786,6 +808,12 @@ class TapeSAC:
                 graph_staged_bytes=b["graph_staged_bytes"],
                 graph_nodes_enabled=b["graph_nodes_enabled"],
                 graph_nodes_disabled=b["graph_nodes_disabled"],
+                graph_timed_launches=b["graph_timed_launches"],
+                graph_timing=b["graph_timing"],
+                graph_timing_note=b["graph_timing_note"],
+                graph_op_ms=tuple((int(i), str(n), ns / 1e6) for i, n, ns in b["graph_op_ns"]),
+                graph_device_ms=b["graph_device_ns"] / 1e6,
+                graph_unattributed_ms=b["graph_unattributed_ns"] / 1e6,
             )
             for b in raw
         )
@@ -824,6 +852,8 @@ class TapeSAC:
             graph_captures=sum(b.graph_captures for b in blocks),
             graph_fallbacks=sum(b.graph_fallbacks for b in blocks),
             graph_fallback_reasons=dict(collections.Counter(b.graph_fallback for b in blocks if b.graph_fallbacks)),
+            graph_timed_launches=sum(b.graph_timed_launches for b in blocks),
+            graph_device_ms=sum(b.graph_device_ms for b in blocks),
             op_timing=",".join(sorted({b.op_timing for b in blocks})),
         )
 

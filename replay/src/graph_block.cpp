@@ -187,6 +187,15 @@ bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<Op
   return true;
 }
 
+const char* to_string(LaunchTiming t) {
+  switch (t) {
+    case LaunchTiming::kOff: return "off";
+    case LaunchTiming::kFirst: return "first";
+    case LaunchTiming::kEvery: return "every";
+  }
+  return "off";
+}
+
 struct GraphCache::Entry {
   int eager = 0;
   GraphFallback failed = GraphFallback::kNone;
@@ -203,6 +212,7 @@ struct GraphCache::Entry {
   std::vector<uint8_t> applied;     // the node mask the executable has now
   std::vector<ValueId> handed;      // values whose static tensors the last launch handed out
   int64_t bytes = 0;
+  int64_t timing_attempts = 0;      // launches a timer was asked for (LaunchTiming::kFirst: at most one)
 
   bool referenced(ValueId v) const {
     const at::Tensor& t = statics[static_cast<size_t>(v)];
@@ -483,8 +493,25 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     e.exec->set_enabled(static_cast<capture::NodeId>(n), mask.enabled[n] != 0);
     e.applied[n] = mask.enabled[n];
   }
+  std::unique_ptr<capture::LaunchTimer> timer;
+  if (options_.time_launches == LaunchTiming::kEvery ||
+      (options_.time_launches == LaunchTiming::kFirst && e.timing_attempts == 0)) {
+    ++e.timing_attempts;
+    timer = device_->time_launch(*e.exec, &out.timing_note);
+  }
   e.exec->launch();
   out.launched = true;
+  if (timer) {
+    try {
+      capture::OpKernelTimes t = timer->finish(tape.ops().size());
+      out.timed = true;
+      out.timing = timer->kind();
+      out.op_ns = std::move(t.ns);
+      out.unattributed_ns = t.unattributed_ns;
+    } catch (const std::exception& ex) {
+      out.timing_note = std::string("timing the launch failed: ") + ex.what();
+    }
+  }
   out.enabled_nodes = mask.enabled_nodes;
   out.disabled_nodes = mask.disabled_nodes;
   out.ops = plan.ops.size();

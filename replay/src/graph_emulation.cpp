@@ -3,6 +3,7 @@
 
 #include "tapesac/replay/eager_replayer.h"
 
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -64,6 +65,7 @@ class EmulatedExec final : public capture::ExecGraph {
     for (size_t n = 0; n < nodes_.size(); ++n) {
       const Node& node = nodes_[n];
       if (node.op == capture::kUnowned || !enabled_[n]) continue;
+      const auto t0 = std::chrono::steady_clock::now();
       const OpPayload& p = current_->at(static_cast<size_t>(node.op));
       torch::jit::Stack stack(node.args.begin(), node.args.end());
       use_recorded_rng(p, stack, restorer);
@@ -77,8 +79,21 @@ class EmulatedExec final : public capture::ExecGraph {
         if (dst.data_ptr() == src.data_ptr() && dst.strides().equals(src.strides())) continue;  // view / in place
         dst.copy_(src);
       }
+      if (timing_ != nullptr) {
+        const auto i = static_cast<size_t>(node.op);
+        if (i >= timing_->ns.size()) {
+          timing_->ns.resize(i + 1, 0);
+          timing_->records.resize(i + 1, 0);
+        }
+        timing_->ns[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                              .count();
+        timing_->records[i] += 1;
+      }
     }
   }
+
+  /// While set, launch() charges each enabled node's run (the CPU clock) to its op in `*t`.
+  void set_timing(capture::OpKernelTimes* t) { timing_ = t; }
 
   void set_current(const std::vector<OpPayload>* current) { current_ = current; }
 
@@ -94,6 +109,28 @@ class EmulatedExec final : public capture::ExecGraph {
   capture::GraphTopology topo_;
   std::vector<uint8_t> enabled_;
   const std::vector<OpPayload>* current_ = nullptr;
+  capture::OpKernelTimes* timing_ = nullptr;
+};
+
+class EmulatedLaunchTimer final : public capture::LaunchTimer {
+ public:
+  explicit EmulatedLaunchTimer(EmulatedExec& exec) : exec_(exec) { exec_.set_timing(&times_); }
+  ~EmulatedLaunchTimer() override { exec_.set_timing(nullptr); }
+  EmulatedLaunchTimer(const EmulatedLaunchTimer&) = delete;
+  EmulatedLaunchTimer& operator=(const EmulatedLaunchTimer&) = delete;
+
+  capture::OpTiming kind() const override { return capture::OpTiming::kCpuClock; }
+  capture::OpKernelTimes finish(size_t n_ops) override {
+    exec_.set_timing(nullptr);
+    capture::OpKernelTimes out = std::move(times_);
+    out.ns.resize(n_ops, 0);  // ops past the last enabled node ran nothing
+    out.records.resize(n_ops, 0);
+    return out;
+  }
+
+ private:
+  EmulatedExec& exec_;
+  capture::OpKernelTimes times_;
 };
 
 class EmulatedGraphDevice final : public capture::GraphDevice {
@@ -143,6 +180,10 @@ class EmulatedGraphDevice final : public capture::GraphDevice {
   void after_launch(capture::ExecGraph& exec) noexcept override { static_cast<EmulatedExec&>(exec).set_current(nullptr); }
 
   void stage(const at::Tensor& dst, const at::Tensor& src) override { dst.copy_(src); }
+
+  std::unique_ptr<capture::LaunchTimer> time_launch(capture::ExecGraph& exec, std::string* /*why*/) override {
+    return std::make_unique<EmulatedLaunchTimer>(static_cast<EmulatedExec&>(exec));
+  }
 
  private:
   bool capturing_ = false;

@@ -639,6 +639,19 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vecto
     st.graph_staged_bytes += outcome.staged_bytes;
     st.graph_nodes_enabled = static_cast<int64_t>(outcome.enabled_nodes);
     st.graph_nodes_disabled = static_cast<int64_t>(outcome.disabled_nodes);
+    if (outcome.timed) {
+      ++st.graph_timed_launches;
+      st.graph_timing = capture::op_timing_name(outcome.timing);
+      if (st.graph_op_ns.size() < outcome.op_ns.size()) st.graph_op_ns.resize(outcome.op_ns.size(), 0);
+      if (st.graph_op_names.empty()) st.graph_op_names = op_names();
+      for (size_t i = 0; i < outcome.op_ns.size(); ++i) {
+        st.graph_op_ns[i] += outcome.op_ns[i];
+        st.graph_device_ns += outcome.op_ns[i];
+      }
+      st.graph_unattributed_ns += outcome.unattributed_ns;
+    } else if (!outcome.timing_note.empty()) {
+      st.graph_timing_note = outcome.timing_note;
+    }
     replay_stats_.ops += static_cast<int64_t>(plan.ops.size());
     for (capture::OpIndex i : plan.ops) ++replay_stats_.ops_by_kind[recorder_.tape().op(i).kind];
   } else if (outcome.warmup) {

@@ -257,3 +257,82 @@ def test_a_launch_runs_only_the_needed_ops() -> None:
     eager, graph = backward_counts("eager"), backward_counts("emulated_graph")
     # fc1 is replayed (gelu saves its output); fc2's output is saved by nothing, so neither backend reruns it.
     assert eager == graph == {"aten::addmm": 3, "aten::gelu": 3}, (eager, graph)
+
+
+def _timed_run(graph_timing: str, steps: int = 3):
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([M.MLPBlock() for _ in range(3)])
+    x = torch.randn(M.B, M.T, M.D)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full", backend="emulated_graph",
+                          graph_timing=graph_timing)
+    try:
+        out = []
+        for _ in range(steps):
+            with sac.step():
+                default_loss(model, (x,)).backward()
+            out.append(sac.last_step)
+        return out
+    finally:
+        sac.close()
+
+
+def test_every_launch_timed_charges_only_the_ops_it_ran() -> None:
+    """graph_timing="every": each launch is timed per op; the ops charged are exactly those the launch ran (the
+    disabled nodes of fc2's matmul, which nothing reads, cost nothing)."""
+    stats = _timed_run("every")
+    for st in stats:
+        assert st.graph_timed_launches == st.graph_replays > 0
+        assert st.graph_device_ms == pytest.approx(sum(b.graph_device_ms for b in st.blocks))
+    for b in stats[-1].blocks:
+        assert b.graph_timing == "cpu_clock" and b.graph_timing_note == "", b
+        assert b.graph_timed_launches == b.graph_replays == 1
+        names = [n for _, n, _ in b.graph_op_ms]
+        # One launch: one entry per op the launch ran, no more (the disabled ones are absent).
+        assert len(b.graph_op_ms) == b.ops_replayed, (b.graph_op_ms, b.ops_replayed)
+        assert names.count("aten::addmm") == 1 and names.count("aten::gelu") == 1, names
+        assert all(ms > 0 for _, _, ms in b.graph_op_ms)
+        assert b.graph_device_ms == pytest.approx(sum(ms for _, _, ms in b.graph_op_ms))
+        # fc2's addmm is the block's last recorded addmm: its node is disabled, so it is never charged.
+        assert max(i for i, n, _ in b.graph_op_ms if n == "aten::addmm") < b.ops_recorded - 1
+
+
+def test_first_launch_of_each_graph_is_timed_once() -> None:
+    """graph_timing="first" (the default): the three identical blocks share one graph, timed at its first launch
+    only (a device synchronisation per graph, not per launch)."""
+    stats = _timed_run("first")
+    assert sum(st.graph_timed_launches for st in stats) == 1
+    assert sum(st.graph_replays for st in stats) > 1
+    (timed,) = [b for st in stats for b in st.blocks if b.graph_timed_launches]
+    assert timed.graph_device_ms > 0 and timed.graph_timing == "cpu_clock"
+
+
+def test_graph_timing_off_times_nothing_and_bad_values_are_refused() -> None:
+    import tapesac
+
+    stats = _timed_run("off")
+    assert all(st.graph_timed_launches == 0 and st.graph_device_ms == 0 for st in stats)
+    assert all(b.graph_op_ms == () and b.graph_timing_note == "" for st in stats for b in st.blocks)
+    with pytest.raises(tapesac.ConfigError, match=r"graph_timing='sometimes' is not supported; expected one of "
+                                                  r"\['first', 'every', 'off'\]"):
+        tapesac.TapeSAC(M.Stack([M.MLPBlock()]), blocks="blocks.*", graph_timing="sometimes")
+
+
+def test_timed_launches_stay_exact() -> None:
+    s = scenario("hf_qwen3_attention_dropout")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, steps=3,
+                          block_calls=s.block_calls, sac_kwargs={**GRAPH, "graph_timing": "every"})
+    assert res.stats.graph_timed_launches == res.stats.graph_replays > 0
+
+
+def test_bench_reports_the_timed_launches() -> None:
+    """The benchmark's JSON carries the timed launches of a tapesac's history (its priming steps, by default)."""
+    from tapesac.bench import _graph_launch_times
+
+    got = _graph_launch_times(_timed_run("first"), top=2)
+    assert got is not None and got["notes"] == []
+    (t,) = got["timed"]
+    assert t["source"] == "cpu_clock" and t["launches"] == 1 and t["device_ms"] > 0
+    assert len(t["top_ops_ms"]) == 2 and t["top_ops_ms"][0][2] >= t["top_ops_ms"][1][2]
+    assert _graph_launch_times(_timed_run("off")) is None

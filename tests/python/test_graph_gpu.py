@@ -7,7 +7,9 @@ What they pin down, on small HF Qwen3 / Llama decoders (tapesac.models builders,
   every block's replay is a graph launch (``BlockStats.graph_replays``), with no fallback;
 - dropout (attention dropout, nn.Dropout, rand_like) replays the forward's masks through the graph;
 - under ``memory_limit`` the measured step peak (``torch.cuda.max_memory_allocated``) stays within it;
-- ``backend="auto"`` resolves to ``"cuda_graph"`` on a CUDA model.
+- ``backend="auto"`` resolves to ``"cuda_graph"`` on a CUDA model;
+- ``graph_timing="every"``: every launch is timed per op by CUPTI, and under torch.profiler launches run untimed
+  with the reason.
 Every test is marked gpu: conftest skips them where ``torch.cuda.is_available()`` is False.
 """
 
@@ -192,3 +194,36 @@ def test_cuda_graph_device_binding(tapesac: Any) -> None:
         _C.cuda_graph_device(torch.cuda.device_count(), (0, 0))
     with pytest.raises(tapesac.ConfigError, match="exactly one non-zero half"):
         _C.cuda_graph_device(0, (1, 2))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_launches_are_timed_per_op_by_cupti(tapesac: Any) -> None:
+    """graph_timing="every": from step 3 every launch is timed by CUPTI, the matmuls are charged device time, and
+    the gradients stay equal to no checkpointing (reference_check). Under torch.profiler, which holds CUPTI, the
+    launches run untimed and say why."""
+    res = reference_check(_hf("qwen3"), _ids(), "full", BLOCKS, M.hf_loss, steps=3, device="cuda",
+                          block_calls=LAYERS, sac_kwargs={"backend": "cuda_graph", "graph_timing": "every"})
+    assert_graph_replayed_from_step_3(res)
+    last = res.stats
+    for b in last.blocks:
+        assert b.graph_timed_launches == b.graph_replays > 0, (b.name, b.graph_timing_note)
+        assert b.graph_timing == "cupti", (b.name, b.graph_timing, b.graph_timing_note)
+        names = {n for _, n, _ in b.graph_op_ms}
+        assert names & {"aten::mm", "aten::addmm", "aten::bmm"}, sorted(names)
+        assert b.graph_device_ms > 0 and b.graph_device_ms == pytest.approx(sum(ms for *_, ms in b.graph_op_ms))
+
+    model, ids = _hf("qwen3")().cuda(), _ids()()
+    sac = tapesac.TapeSAC(model, blocks=BLOCKS, policy="full", backend="cuda_graph", graph_timing="every")
+    try:
+        for _ in range(2):  # warm-up and capture outside the profiler
+            with sac.step():
+                M.hf_loss(model, ids).backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            with sac.step():
+                M.hf_loss(model, ids).backward()
+        st = sac.last_step
+        assert st.graph_replays > 0 and st.graph_timed_launches == 0
+        assert all("CUPTI" in b.graph_timing_note for b in st.blocks if b.graph_replays), \
+            [b.graph_timing_note for b in st.blocks]
+    finally:
+        sac.close()

@@ -36,5 +36,21 @@ TEST(KernelTimes, GraphRecordsJoinThroughClonedNodeIds) {
   EXPECT_EQ(external_id(3, 7) & 0xffffffffu, 7u);
 }
 
+TEST(KernelTimes, ExecutableNodesMapToTheOwnersOfTheirTemplates) {
+  // Template nodes 0..3 (CUPTI ids 11..14): node 0 unowned (the capture's entry node), 1 and 2 launched by op 0,
+  // 3 by op 2. Instantiation cloned 11->91, 12->92, 14->94; 13 had no clone (e.g. instantiated before the timer
+  // subscribed): its records stay unattributed rather than guessed.
+  const std::vector<uint64_t> ids{11, 12, 13, 14};
+  const std::vector<OpIndex> owner{-1, 0, 0, 2};  // -1: kUnowned
+  const std::unordered_map<uint64_t, uint64_t> cloned{{11, 91}, {12, 92}, {14, 94}};
+  const auto map = exec_node_owner(ids, owner, cloned);
+  EXPECT_EQ(map, (std::unordered_map<uint64_t, OpIndex>{{92, 0}, {94, 2}}));
+  const std::vector<DeviceActivity> acts{{7, 0, 5, 91}, {7, 5, 25, 92}, {7, 25, 30, 93}, {7, 30, 70, 94}};
+  const auto t = attribute_kernel_times(acts, {}, 0, 3, map);
+  EXPECT_EQ(t.ns, (std::vector<int64_t>{20, 0, 40}));
+  EXPECT_EQ(t.unattributed_ns, 10);
+  EXPECT_THROW(exec_node_owner({1, 2}, {0}, cloned), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace tapesac::capture

@@ -381,3 +381,50 @@ TEST(CudaGraphDevice, StageCopiesOnTheCurrentStreamAndRejectsAnotherShape) {
   EXPECT_THROW(dev.stage(dst, torch::randn({32}, opts)), tapesac::Error);  // would broadcast
   EXPECT_THROW(dev.stage(dst, src.to(torch::kDouble)), tapesac::Error);
 }
+
+TEST(CudaGraphDevice, TimedLaunchChargesOnlyTheEnabledOps) {
+  // Note [Graph launch times]: the capture maps the executable's nodes to ops (CUPTI at instantiation); a timed
+  // launch charges each kernel to its op, and a disabled op's kernels do not run, so they cost nothing.
+  TAPESAC_NEED_DEVICE();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  const auto x = torch::randn({1024, 1024}, opts);
+  (void)at::relu(at::mm(x, x));  // warm-up
+  torch::cuda::synchronize();
+  tc::CudaGraphDevice dev(0, 0, 0, /*map_exec_nodes=*/true);
+  dev.begin_capture();
+  auto y = at::mm(x, x);
+  after_op(dev, 0, {y});
+  auto r = at::relu(y);
+  after_op(dev, 1, {r});
+  auto s = at::sigmoid(y);
+  after_op(dev, 2, {s});
+  std::string error;
+  auto g = dev.end_capture(&error);
+  ASSERT_TRUE(g) << error;
+  set_enabled_for_op(*g, 2, false);
+  ASSERT_EQ(dev.before_launch(*g, {}, {}, {}), "");
+  std::string why;
+  auto timer = dev.time_launch(*g, &why);
+  if (!timer) {
+    dev.after_launch(*g);
+    GTEST_SKIP() << "CUPTI unavailable here: " << why;
+  }
+  g->launch();
+  dev.after_launch(*g);
+  const auto t = timer->finish(3);
+  EXPECT_EQ(timer->kind(), tapesac::capture::OpTiming::kCupti);
+  EXPECT_GT(t.ns[0], 0);
+  EXPECT_GT(t.ns[1], 0);
+  EXPECT_EQ(t.ns[2], 0) << "a disabled node was charged";
+  EXPECT_GT(t.ns[0], t.ns[1]) << "a 1024^3 matmul outlasts a relu";
+
+  // Without the node map no launch of that graph can be timed, and the reason says so.
+  tc::CudaGraphDevice unmapped(0, 0, 0, /*map_exec_nodes=*/false);
+  unmapped.begin_capture();
+  auto y2 = at::mm(x, x);
+  after_op(unmapped, 0, {y2});
+  auto g2 = unmapped.end_capture(&error);
+  ASSERT_TRUE(g2) << error;
+  EXPECT_EQ(unmapped.time_launch(*g2, &why), nullptr);
+  EXPECT_NE(why.find("not mapped"), std::string::npos) << why;
+}

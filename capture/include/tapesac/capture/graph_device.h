@@ -20,6 +20,16 @@
 //    replayed (both indexed by OpIndex). Returns "" when the launch may go ahead (then after_launch() must follow,
 //    also when the launch throws), or why it cannot (the caller replays eagerly; nothing to undo).
 //  * stage(dst, src): copies `src` into the static tensor `dst` on the stream the graph launches on.
+//  * time_launch(exec, why): Note [Graph launch times]. Null, with `why`, when this device or this graph cannot be
+//    timed per op.
+//
+// Note [Graph launch times]. A launch is one call; its kernels run without the host. The per-op device time of a
+// launch comes from the device: the CUDA device subscribes CUPTI around the launch and attributes each kernel,
+// memcpy and memset record to a tape op through the executable-node ids the instantiation cloned (Note [Kernel
+// time attribution]); a graph instantiated while CUPTI was held elsewhere has no such map and is not timed. The
+// emulation charges each enabled node's eager run on the CPU clock. A timed launch costs the device one
+// synchronisation (LaunchTimer::finish), which is why the replayer times only the first launch of each graph
+// unless asked otherwise (GraphOptions::time_launches).
 #pragma once
 
 #include <memory>
@@ -30,9 +40,22 @@
 #include <ATen/core/stack.h>
 
 #include "tapesac/capture/exec_graph.h"
+#include "tapesac/capture/kernel_times.h"
 #include "tapesac/capture/op_payload.h"
 
 namespace tapesac::capture {
+
+/// Times one launch of one executable graph (Note [Graph launch times]). Made right before the launch; finish()
+/// right after it.
+class LaunchTimer {
+ public:
+  virtual ~LaunchTimer() = default;
+  /// What the figures are: kCupti (device time of the nodes' kernels) or kCpuClock (the emulation).
+  virtual OpTiming kind() const = 0;
+  /// Waits for the launch and returns the time of each tape op [0, n_ops) (ops whose nodes were disabled: 0) and
+  /// of the records no op owns. Called once. May throw std::exception (the launch itself has happened).
+  virtual OpKernelTimes finish(size_t n_ops) = 0;
+};
 
 class GraphDevice {
  public:
@@ -51,6 +74,11 @@ class GraphDevice {
                                     const std::vector<OpPayload>& captured, const std::vector<OpPayload>& current) = 0;
   virtual void after_launch(ExecGraph& exec) noexcept = 0;
   virtual void stage(const at::Tensor& dst, const at::Tensor& src) = 0;
+  /// A timer for the next launch of `exec` (call before_launch() first), or null with `*why` set.
+  virtual std::unique_ptr<LaunchTimer> time_launch(ExecGraph& /*exec*/, std::string* why) {
+    *why = std::string("the ") + name() + " graph device does not time launches";
+    return nullptr;
+  }
 };
 
 }  // namespace tapesac::capture

@@ -11,6 +11,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -78,6 +80,27 @@ inline OpKernelTimes attribute_kernel_times(const std::vector<DeviceActivity>& a
       out.unattributed_ns += dt;
       out.unattributed_records += 1;
     }
+  }
+  return out;
+}
+
+/// Executable-node id -> tape op, for attribute_kernel_times on a graph launch (Note [Kernel time attribution]).
+/// `template_ids[n]`: CUPTI's id of template node n (NodeId order), `owner[n]` its tape op (kUnowned: none, -1);
+/// `cloned`: template id -> id of its clone in the executable (the GRAPHNODE_CLONED callbacks of its
+/// instantiation). Nodes without an owner or a clone are left out (their records count as unattributed). Pure;
+/// throws std::invalid_argument when the two vectors differ in size.
+inline std::unordered_map<uint64_t, OpIndex> exec_node_owner(const std::vector<uint64_t>& template_ids,
+                                                               const std::vector<OpIndex>& owner,
+                                                               const std::unordered_map<uint64_t, uint64_t>& cloned) {
+  if (template_ids.size() != owner.size()) {
+    throw std::invalid_argument("exec_node_owner: " + std::to_string(template_ids.size()) + " node ids but " +
+                                std::to_string(owner.size()) + " owners");
+  }
+  std::unordered_map<uint64_t, OpIndex> out;
+  for (size_t i = 0; i < owner.size(); ++i) {
+    if (owner[i] < 0) continue;
+    const auto it = cloned.find(template_ids[i]);
+    if (it != cloned.end()) out[it->second] = owner[i];
   }
   return out;
 }

@@ -43,11 +43,22 @@
 
 namespace tapesac::replay {
 
+/// Which launches are timed per op (Note [Graph launch times] in capture/graph_device.h).
+enum class LaunchTiming : uint8_t {
+  kOff,    ///< none
+  kFirst,  ///< the first launch of each graph (one device synchronisation per graph)
+  kEvery,  ///< every launch (one synchronisation per launch)
+};
+
+/// "off", "first" or "every".
+const char* to_string(LaunchTiming t);
+
 struct GraphOptions {
   /// Eager replays of a key before it is captured (lazy library initialisation must not happen under capture).
   int warmup = 1;
   /// Most graphs a session captures; replays of further keys run eagerly (graph_limit).
   size_t max_graphs = 8;
+  LaunchTiming time_launches = LaunchTiming::kFirst;
 };
 
 /// The replaying block call, as a graph replay reads it (all borrowed).
@@ -77,6 +88,13 @@ struct GraphReplayOutcome {
   size_t enabled_nodes = 0;
   size_t disabled_nodes = 0;
   size_t ops = 0;  ///< tape ops whose nodes ran
+  /// A timed launch (GraphOptions::time_launches): the source, each tape op's time and the time of records no op
+  /// owns. `timing_note` says why a launch that was to be timed was not (the launch itself went ahead).
+  bool timed = false;
+  capture::OpTiming timing = capture::OpTiming::kUntimed;
+  std::vector<int64_t> op_ns;
+  int64_t unattributed_ns = 0;
+  std::string timing_note;
 };
 
 /// The tainted ops of `tape` given the values a call holds live (Note [What a graph captures]): 1 per op that a

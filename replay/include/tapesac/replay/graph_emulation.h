@@ -4,7 +4,8 @@
 // leaves its outputs' bytes as the previous launch left them — what a CUDA graph does. Random ops draw from the
 // generator state the replayed call's forward recorded (the CUDA device gets the same effect from the graph's
 // Philox base offset). Nodes: one leading empty node that no op owns (real captures have such nodes), then one
-// kernel node per op.
+// kernel node per op. A timed launch (GraphDevice::time_launch) charges each enabled node's run to its op on the CPU
+// clock.
 //
 // It runs on any device and exists to test the graph replayer end to end where there is no GPU; it is slower
 // than eager replay (one extra copy per output) and is selected explicitly (TapeSAC(backend="emulated_graph")).

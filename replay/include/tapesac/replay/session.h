@@ -177,6 +177,16 @@ struct BlockStats {
   int64_t graph_staged_bytes = 0;
   int64_t graph_nodes_enabled = 0;
   int64_t graph_nodes_disabled = 0;
+  /// Timed launches (GraphOptions::time_launches): how many, the source (op_timing_name: "cupti" or "cpu_clock"),
+  /// per tape op the summed time of its nodes, their total and the time of records no op owns; the note says why
+  /// the last launch that was to be timed was not.
+  int64_t graph_timed_launches = 0;
+  std::string graph_timing;
+  std::string graph_timing_note;
+  std::vector<int64_t> graph_op_ns;
+  std::vector<std::string> graph_op_names;  // op_kind_name of each tape op, set with the first timed launch
+  int64_t graph_device_ns = 0;
+  int64_t graph_unattributed_ns = 0;
 };
 
 /// One call of one block within a step. Thread-safe for pack/unpack after close_forward(); recording itself

@@ -12,6 +12,9 @@
 //    outcome carries no graph and the CUDA error text; otherwise the graph is instantiated and returned as a
 //    CudaExecGraph whose topology() holds every node's kind and owner. Capturability (memory/conditional/host
 //    nodes) is judged by replay::check_capturable on that topology.
+//  * With GraphCaptureOptions::map_exec_nodes, end() subscribes CUPTI (CuptiTimer) around the instantiation and
+//    keeps the executable-node -> tape op map its clone callbacks give (Note [Graph launch times]); when CUPTI
+//    cannot be had the graph is still returned, unmapped, with the reason.
 //  * CudaExecGraph::set_enabled() is cudaGraphNodeSetEnabled on the executable, naming template nodes (which
 //    keep_graph keeps alive); launch() is CUDAGraph::replay() on the current stream (RNG prologue included).
 //  * Every method needs a CUDA device and throws std::runtime_error on CUDA failure; never call them when
@@ -22,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tapesac/capture/exec_graph.h"
@@ -33,6 +37,9 @@ struct GraphCaptureOptions {
   /// captured into one shared pool in execution order form one replay arena (reference/cuda.md §B2).
   uint64_t pool_first = 0;
   uint64_t pool_second = 0;
+  /// Map the executable's nodes to tape ops for launch timing (CudaExecGraph::exec_node_owner): CUPTI is
+  /// subscribed around the instantiation to see its GRAPHNODE_CLONED callbacks (one device synchronisation).
+  bool map_exec_nodes = false;
 };
 
 class CudaExecGraph final : public capture::ExecGraph {
@@ -49,6 +56,10 @@ class CudaExecGraph final : public capture::ExecGraph {
   void launch() override;
   /// Template node handles (cudaGraphNode_t as uint64_t), indexed by NodeId (for CuptiTimer::exec_node_owner).
   std::vector<uint64_t> node_handles() const;
+  /// CUPTI executable-node id -> tape op (capture::exec_node_owner), or null when the graph was not mapped at
+  /// instantiation (GraphCaptureOptions::map_exec_nodes off, or CUPTI unavailable: exec_map_note() says why).
+  const std::unordered_map<uint64_t, capture::OpIndex>* exec_node_owner() const;
+  const std::string& exec_map_note() const;
   /// Writes the template graph as Graphviz dot (cudaGraphDebugDotPrint, verbose) for debugging.
   void dump_dot(const std::string& path) const;
 

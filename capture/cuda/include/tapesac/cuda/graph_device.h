@@ -14,6 +14,9 @@
 //    offsets the replayed forward drew at are not spaced as in the call the graph was captured from. Otherwise it
 //    sets the default generator to the state the forward's first random op saw; after_launch() puts back the state
 //    it saved. Both lock the generator's mutex while they touch it.
+//  * time_launch(): a CUPTI session from right before the launch to finish(), which synchronises the device and
+//    charges each kernel/memcpy/memset record to the op owning its executable node; records of no node (the
+//    launch's RNG prologue, staging copies still running) are unattributed.
 //  * stage(dst, src): dst.copy_(src, non_blocking) on the current stream; shapes and dtypes must match (no
 //    broadcasting).
 //  * Every method needs a CUDA device; begin_capture/after_op/stage throw (std::runtime_error / tapesac::Error) on
@@ -36,7 +39,9 @@ class GraphCapture;
 class CudaGraphDevice final : public capture::GraphDevice {
  public:
   /// `device`: a CUDA device index (< device_count()); throws tapesac::Error (kConfig) otherwise.
-  CudaGraphDevice(int device, uint64_t pool_first, uint64_t pool_second);
+  /// `map_exec_nodes`: map each capture's executable nodes to tape ops (GraphCaptureOptions::map_exec_nodes), so
+  /// that its launches can be timed per op.
+  CudaGraphDevice(int device, uint64_t pool_first, uint64_t pool_second, bool map_exec_nodes = true);
   ~CudaGraphDevice() override;
   CudaGraphDevice(const CudaGraphDevice&) = delete;
   CudaGraphDevice& operator=(const CudaGraphDevice&) = delete;
@@ -51,6 +56,9 @@ class CudaGraphDevice final : public capture::GraphDevice {
                             const std::vector<capture::OpPayload>& current) override;
   void after_launch(capture::ExecGraph& exec) noexcept override;
   void stage(const at::Tensor& dst, const at::Tensor& src) override;
+  /// CUPTI around the launch, attributed through the executable's node map (Note [Graph launch times]); null when
+  /// the graph was not mapped at instantiation or CUPTI cannot be claimed now (a profiler holds it).
+  std::unique_ptr<capture::LaunchTimer> time_launch(capture::ExecGraph& exec, std::string* why) override;
 
   int device() const { return device_; }
   /// True between begin_capture() and end_capture()/abort_capture().
@@ -63,6 +71,7 @@ class CudaGraphDevice final : public capture::GraphDevice {
 
   int device_;
   uint64_t pool_first_, pool_second_;
+  bool map_exec_nodes_;
   std::unique_ptr<GraphCapture> capture_;
   std::unique_ptr<DeviceGuard> device_guard_;  // the caller's device, restored after the capture's stream
   /// The default generator's state saved by before_launch(), put back by after_launch().
@@ -71,6 +80,7 @@ class CudaGraphDevice final : public capture::GraphDevice {
 };
 
 /// A CudaGraphDevice as the replayer holds it (the binding's `tapesac._C.cuda_graph_device`).
-std::shared_ptr<capture::GraphDevice> make_cuda_graph_device(int device, uint64_t pool_first, uint64_t pool_second);
+std::shared_ptr<capture::GraphDevice> make_cuda_graph_device(int device, uint64_t pool_first, uint64_t pool_second,
+                                                             bool map_exec_nodes = true);
 
 }  // namespace tapesac::cuda

@@ -138,6 +138,12 @@ std::unique_ptr<CuptiTimer> CuptiTimer::start(std::string* why) {
   }
   auto undo = [&](const char* what, CUptiResult res) {
     for (const auto k : kKinds) api.disable(k);
+    {
+      // The buffer callbacks may stay registered: they must not deliver into this dying timer's records.
+      std::lock_guard<std::mutex> lock(g_mutex);
+      g_sink = nullptr;
+      g_api = nullptr;
+    }
     api.unsubscribe(impl->subscriber);
     g_active = false;
     return fail(std::string("CUPTI unavailable: ") + what + " returned " + lib->result_string(res) +

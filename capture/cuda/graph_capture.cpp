@@ -9,10 +9,13 @@
 #include <vector>
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <torch/version.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include "tapesac/capture/kernel_times.h"
 #include "tapesac/cuda/check.h"
@@ -64,6 +67,26 @@ void order_after(cudaStream_t first, cudaStream_t later) {
   Event e(EventOptions{/*timing=*/false});
   e.record(first);
   TAPESAC_CUDA_CHECK(cudaStreamWaitEvent(later, e.get(), 0));
+}
+
+/// Ends capturing on `g` when the capture may have been invalidated. Before torch 2.12, CUDAGraph::capture_end()
+/// checked cudaStreamEndCapture's error before it ended the caching allocator's routing into the capture's pool
+/// (fixed upstream by pytorch#180395), so a failed end left that routing behind — a filter pointing into the
+/// graph, and a "capture underway" that later trips the allocator's synchronisation. End the routing here then.
+/// Rethrows capture_end()'s error.
+void end_capture(at::cuda::CUDAGraph& g) {
+  try {
+    g.capture_end();
+  } catch (...) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
+    try {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(c10::cuda::current_device(), g.pool());
+    } catch (...) {
+      // Already ended (a torch with the fix backported): nothing to undo.
+    }
+#endif
+    throw;
+  }
 }
 
 }  // namespace
@@ -178,7 +201,7 @@ GraphCapture::~GraphCapture() {
   try {
     if (impl_->capturing) {
       impl_->capturing = false;
-      impl_->graph->capture_end();
+      end_capture(*impl_->graph);
     }
   } catch (...) {
     // The capture was already broken; its graph is dropped below either way.
@@ -220,7 +243,7 @@ CaptureOutcome GraphCapture::end() {
   CaptureOutcome out;
   impl_->capturing = false;
   try {
-    impl_->graph->capture_end();  // must run on the capture stream: before the guard goes
+    end_capture(*impl_->graph);  // must run on the capture stream: before the guard goes
   } catch (const std::exception& e) {
     if (impl_->error.empty()) impl_->error = e.what();
   }
@@ -238,7 +261,10 @@ CaptureOutcome GraphCapture::end() {
   impl_->attribution.after_unowned(final_handles.data(), final_handles.size());
   const auto& handles = impl_->attribution.handles();
   std::unique_ptr<CuptiTimer> cupti;
-  if (impl_->options.map_exec_nodes) {
+  if (impl_->options.map_exec_nodes && torch::profiler::impl::profilerEnabled()) {
+    exec->map_note = "the executable's nodes were not mapped to ops: torch.profiler owned CUPTI when the graph was "
+                     "instantiated";
+  } else if (impl_->options.map_exec_nodes) {
     cupti = CuptiTimer::start(&exec->map_note);
     if (!cupti) exec->map_note = "the executable's nodes were not mapped to ops: " + exec->map_note;
   } else {

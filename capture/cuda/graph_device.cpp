@@ -22,6 +22,7 @@
 
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/cuda/device.h"
@@ -87,6 +88,19 @@ CudaGraphDevice::CudaGraphDevice(int device, uint64_t pool_first, uint64_t pool_
   TAPESAC_CHECK(pool_first == 0 || pool_second == 0, kConfig,
                 "cuda_graph device: a memory pool id has exactly one non-zero half ({0, 0}: a private pool), got {",
                 pool_first, ", ", pool_second, "}");
+  if (map_exec_nodes_ && !torch::profiler::impl::profilerEnabled()) {
+    // CUPTI initialised for the first time while CUDA graphs exist can hang or fault (pytorch#75504; torch's
+    // profiler initialises it before graphs for that reason): claim and release it once now, before any capture
+    // of ours. Failure here only means that launches will not be timed; the reason shows then.
+    std::string why;
+    if (std::unique_ptr<CuptiTimer> t = CuptiTimer::start(&why)) {
+      try {
+        (void)t->stop();
+      } catch (const std::exception&) {
+        // A failed flush at start-up loses nothing; the timer's destructor has released CUPTI.
+      }
+    }
+  }
 }
 
 CudaGraphDevice::~CudaGraphDevice() {
@@ -228,7 +242,19 @@ class CuptiLaunchTimer final : public capture::LaunchTimer {
                                " activity records (buffers full); the launch's op times would be short");
     }
     // Graph records are attributed by node id alone; no external correlations are needed (block -1 matches none).
-    return capture::attribute_kernel_times(records.activities, {}, -1, n_ops, *owner_);
+    capture::OpKernelTimes t = capture::attribute_kernel_times(records.activities, {}, -1, n_ops, *owner_);
+    int64_t attributed = 0;
+    for (const int32_t r : t.records) attributed += r;
+    if (attributed == 0) {
+      // All zeros would read as "free"; say what CUPTI delivered instead.
+      size_t graph_records = 0;
+      for (const auto& a : records.activities) graph_records += a.graph_node_id != 0 ? 1 : 0;
+      throw std::runtime_error("no device record of the launch mapped to an op (" +
+                               std::to_string(records.activities.size()) + " records, " +
+                               std::to_string(graph_records) + " from graph nodes, " +
+                               std::to_string(owner_->size()) + " nodes mapped at instantiation)");
+    }
+    return t;
   }
 
  private:
@@ -243,6 +269,12 @@ std::unique_ptr<capture::LaunchTimer> CudaGraphDevice::time_launch(capture::Exec
   const auto* owner = graph.exec_node_owner();
   if (owner == nullptr) {
     *why = graph.exec_map_note();
+    return nullptr;
+  }
+  // Kineto holds CUPTI's activity buffers while torch.profiler runs, and its subscriber is not always registered:
+  // ask torch, as the eager op timer does, rather than claim the buffers and break the user's trace.
+  if (torch::profiler::impl::profilerEnabled()) {
+    *why = "torch.profiler is active and owns CUPTI; the launch is not timed";
     return nullptr;
   }
   std::unique_ptr<CuptiTimer> timer = CuptiTimer::start(why);

@@ -293,6 +293,27 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     if (capture_live[v]) key.mix(v);
   }
   Entry& e = *find_or_add(key.value());
+  if (e.failed == GraphFallback::kNone && !e.exec) {
+    // Note [Graph RNG] (capture/cuda/graph_device.cpp): a launch gives the graph's random ops the forward's first
+    // offset plus their offsets within the graph. A random op left out of the graph but drawing between two of its
+    // random ops made the forward's later offsets larger than the graph's, and the offset check cannot see it (the
+    // captured call's deltas include it too): such a key is never captured.
+    OpIndex first = -1, last = -1;
+    for (OpIndex i : graph_ops) {
+      if (!tape.op(i).has(OpFlag::kRandom)) continue;
+      if (first < 0) first = i;
+      last = i;
+    }
+    for (OpIndex i = first + 1; first >= 0 && i < last; ++i) {
+      if (tainted[static_cast<size_t>(i)] && tape.op(i).has(OpFlag::kRandom)) {
+        e.failed = GraphFallback::kRngMismatch;
+        e.failed_detail = "random op #" + std::to_string(i) + " (" + capture::op_kind_name(tape.op(i).kind) +
+                          ") cannot be in the graph but draws between its random ops #" + std::to_string(first) +
+                          " and #" + std::to_string(last) + ": the graph's offsets would skip its draws";
+        break;
+      }
+    }
+  }
   if (e.failed != GraphFallback::kNone) return refuse(e.failed, e.failed_detail);
 
   if (!e.exec) {
@@ -367,11 +388,13 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     ro.observer = &forward;
     std::vector<at::Tensor> env;
     std::string error;
-    device_->begin_capture();
+    bool began = false;
     try {
+      device_->begin_capture();
+      began = true;
       env = run_ops(src, graph_ops, ro);
     } catch (const std::exception& ex) {
-      device_->abort_capture();
+      if (began) device_->abort_capture();
       error = ex.what();
     }
     std::unique_ptr<capture::ExecGraph> exec;

@@ -726,20 +726,22 @@ at::Tensor BlockCall::unpack(int32_t slot) {
     ReplayOptions opts;
     opts.check_metadata = options_->check_metadata;
     opts.op_override = approx_.get();
-#ifdef TAPESAC_WITH_CUDA
-    std::optional<cuda::ArenaRouting> arena_routing;
-    if (options_->arena_pool_id.second != 0 || options_->arena_pool_id.first != 0) {
-      arena_routing.emplace(options_->arena_device, options_->arena_pool_id.first, options_->arena_pool_id.second);
-    }
-#endif
     const int64_t ns_before = replay_stats_.ns;
     // A graph launch allocates nothing (its memory is static), so the limit is applied to eager replays only.
+    // The graph path runs before the eager replay's arena routing: a capture routes its own allocations into the
+    // arena (the graph device's pool), and the allocator refuses a second routing to a pool already routed.
     const auto t_graph = std::chrono::steady_clock::now();
     auto out = replay_graph(targets, plan, *src.live);
     if (!out.empty()) {
       replay_stats_.ns +=
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t_graph).count();
     } else {
+#ifdef TAPESAC_WITH_CUDA
+      std::optional<cuda::ArenaRouting> arena_routing;
+      if (options_->arena_pool_id.second != 0 || options_->arena_pool_id.first != 0) {
+        arena_routing.emplace(options_->arena_device, options_->arena_pool_id.first, options_->arena_pool_id.second);
+      }
+#endif
       targets = limit_targets(std::move(targets), Read{v, value_state_.at(v)}, plan);
       out = replay(src, targets, opts, &replay_stats_);
     }

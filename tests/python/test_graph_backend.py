@@ -336,3 +336,33 @@ def test_bench_reports_the_timed_launches() -> None:
     assert t["source"] == "cpu_clock" and t["launches"] == 1 and t["device_ms"] > 0
     assert len(t["top_ops_ms"]) == 2 and t["top_ops_ms"][0][2] >= t["top_ops_ms"][1][2]
     assert _graph_launch_times(_timed_run("off")) is None
+
+
+class _NoisyBlock(torch.nn.Module):
+    """Dropout, then an in-place random write to a buffer (it must not re-run, so no graph holds it), then dropout
+    again: the buffer's draw sits between the graph's two random ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(M.D, M.D)
+        self.register_buffer("noise", torch.zeros(M.D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.nn.functional.dropout(self.fc(x), 0.3)
+        self.noise.bernoulli_(0.5)
+        c = torch.nn.functional.dropout(self.fc(x), 0.3)
+        return x + a * c + self.noise
+
+
+def test_a_random_op_outside_the_graph_between_its_random_ops_is_refused() -> None:
+    """The graph's random offsets would skip the buffer's draw (Note [Graph RNG]); the offset check cannot see it,
+    so the key is never captured: every replay stays eager, with the reason, and exact."""
+    res = reference_check(lambda: M.Stack([_NoisyBlock() for _ in range(2)]),
+                          lambda: (torch.randn(M.B, M.T, M.D, requires_grad=True),), "full", "blocks.*", steps=3,
+                          block_calls=2, sac_kwargs=GRAPH)
+    for st in res.all_stats:
+        check_graph_counts(st)
+        assert st.graph_replays == 0
+    last = res.stats
+    assert last.graph_fallback_reasons == {"rng_mismatch": 2}, last.graph_fallback_reasons
+    assert all("cannot be in the graph but draws between" in b.graph_detail for b in last.blocks)

@@ -146,7 +146,10 @@ def test_cuda_graph_step_peak_stays_within_memory_limit(tapesac: Any) -> None:
     assert full_peak < none_peak, f"full checkpointing peak {full_peak} B not below no checkpointing's {none_peak} B"
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    limit = torch.cuda.memory_allocated() + full_peak + (none_peak - full_peak) // 2
+    # Three quarters of the way to the no-checkpoint peak: room for the planner's plan and the one graph the
+    # identical layers share (its static memory is about one layer's activations and parameters; at 30% of the
+    # way the CPU run of perf/graph_limit_cpu.py had no room and replayed eagerly, at 70% it launched every replay).
+    limit = torch.cuda.memory_allocated() + full_peak + (none_peak - full_peak) * 3 // 4
 
     sac = tapesac.TapeSAC(model, blocks=BLOCKS, policy="auto", backend="cuda_graph", memory_limit=limit)
     assert sac.backend == "cuda_graph"

@@ -260,11 +260,137 @@ GraphCache::Entry* GraphCache::find_or_add(uint64_t key) {
   return slot.get();
 }
 
-std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call, const std::vector<Read>& targets,
-                                                          const PruneResult& plan, GraphReplayOutcome* outcome) {
-  std::lock_guard<std::mutex> lock(mu_);
-  GraphReplayOutcome& out = *outcome;
-  out = GraphReplayOutcome{};
+// Captures the key's graph once its warm-up is done (Note [What a graph captures]). False when this replay goes
+// eager: a warm-up (out.warmup) or a refusal (out.reason, out.detail).
+bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIndex>& graph_ops,
+                         const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out) {
+  const capture::Tape& tape = *call.tape;
+  auto refuse = [&out](GraphFallback reason, std::string detail) {
+    out.reason = reason;
+    out.detail = std::move(detail);
+    return false;
+  };
+  // What the capture will hold: every storage a captured op creates, and a static buffer per value it reads live.
+  int64_t bytes = 0;
+  for (OpIndex i : graph_ops) {
+    for (capture::StorageId s : tape.op(i).writes) {
+      const capture::StorageInfo& st = tape.storage(s);
+      if (!st.external && !st.writers.empty() && st.writers[0] == i) bytes += st.nbytes;
+    }
+  }
+  for (size_t v = 0; v < capture_live.size(); ++v) {
+    if (capture_live[v]) bytes += tape.values()[v].meta.nbytes;
+  }
+  e.bytes = bytes;  // pending until captured (pending_bytes)
+  if (e.eager < options_.warmup) {
+    ++e.eager;
+    out.warmup = true;
+    return false;
+  }
+  if (!capture_enabled_) {
+    return refuse(GraphFallback::kMemoryLimit,
+                  "the plan under memory_limit leaves no room for the graph's " + std::to_string(bytes) +
+                      " bytes of static memory; this block replays eagerly");
+  }
+  if (captured_ >= options_.max_graphs) {
+    return refuse(GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
+                                                  " graphs already (max_graphs); this block replays eagerly");
+  }
+  if (call.memory_limit > 0 && call.last_peak == 0) {
+    out.warmup = true;  // no step measured yet: the statics' room under the limit is unknown
+    return false;
+  }
+  const int64_t peak = std::max(call.in_use, call.last_peak);
+  if (call.memory_limit > 0 && peak + bytes > call.memory_limit) {
+    return refuse(GraphFallback::kMemoryLimit,
+                  "capturing the block needs " + std::to_string(bytes) + " bytes of static memory, held from "
+                  "then on; the step peaks at " + std::to_string(peak) + " bytes under a limit of " +
+                      std::to_string(call.memory_limit));
+  }
+  // Static inputs, from the forward's metadata (the call may no longer hold the tensors its plan does not read).
+  std::vector<at::Tensor> inputs(tape.values().size());
+  for (size_t v = 0; v < capture_live.size(); ++v) {
+    if (!capture_live[v]) continue;
+    const capture::TensorMeta& m = tape.values()[v].meta;
+    const auto options = at::TensorOptions()
+                             .dtype(static_cast<c10::ScalarType>(m.dtype))
+                             .device(c10::Device(static_cast<c10::DeviceType>(m.device_type),
+                                                 static_cast<c10::DeviceIndex>(m.device_index)));
+    // Zeros, not garbage: the emulation runs the capture (an index read from garbage would fault).
+    inputs[v] = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
+    const auto elems = static_cast<int64_t>(inputs[v].storage().nbytes()) / inputs[v].element_size();
+    inputs[v].as_strided({elems}, {1}, 0).zero_();  // the whole storage: an expanded view cannot be filled
+  }
+  class Forward final : public ReplayObserver {
+   public:
+    explicit Forward(capture::GraphDevice& d) : d_(d) {}
+    void after_op(OpIndex op, const std::vector<c10::IValue>& args, const std::vector<at::Tensor>& outs) override {
+      d_.after_op(op, args, outs);
+    }
+
+   private:
+    capture::GraphDevice& d_;
+  } forward(*device_);
+  ReplaySource src;
+  src.tape = &tape;
+  src.payloads = call.payloads;
+  src.live = &inputs;
+  src.available = &capture_live;
+  ReplayOptions ro;
+  ro.set_rng = device_->capture_executes();
+  ro.observer = &forward;
+  std::vector<at::Tensor> env;
+  std::string error;
+  bool began = false;
+  try {
+    device_->begin_capture();
+    began = true;
+    env = run_ops(src, graph_ops, ro);
+  } catch (const std::exception& ex) {
+    if (began) device_->abort_capture();
+    error = ex.what();
+  }
+  std::unique_ptr<capture::ExecGraph> exec;
+  if (error.empty()) exec = device_->end_capture(&error);
+  if (!exec) {
+    e.failed = GraphFallback::kCaptureInvalidated;
+    e.failed_detail = "capture failed: " + error;
+    return refuse(e.failed, e.failed_detail);
+  }
+  const GraphVerdict verdict = check_capturable(exec->topology());
+  if (!verdict.ok()) {
+    e.failed = verdict.reason;
+    e.failed_detail = verdict.detail;
+    return refuse(e.failed, e.failed_detail);
+  }
+  e.exec = std::move(exec);
+  e.ops = graph_ops;
+  e.in_graph.assign(tape.ops().size(), 0);
+  for (OpIndex i : graph_ops) {
+    e.in_graph[static_cast<size_t>(i)] = 1;
+    if (tape.op(i).has(OpFlag::kRandom)) e.random_ops.push_back(i);
+  }
+  e.capture_live = capture_live;
+  e.statics = std::move(env);
+  e.impl_refs.assign(e.statics.size(), 0);
+  e.storage_refs.assign(e.statics.size(), 0);
+  for (size_t v = 0; v < e.statics.size(); ++v) {
+    if (!e.statics[v].defined()) continue;
+    e.impl_refs[v] = static_cast<int64_t>(e.statics[v].use_count());
+    e.storage_refs[v] = static_cast<int64_t>(e.statics[v].storage().use_count());
+  }
+  e.payloads = *call.payloads;
+  e.applied.assign(e.exec->topology().node_count(), 1);
+  ++captured_;
+  out.captured = true;
+  return true;
+}
+
+// Checks a launch of the captured graph for `targets` (Note [Static memory]), then stages, masks and launches it.
+// Nothing changes until every check passed; a failed check returns an empty map with the reason in `out`.
+std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const GraphCall& call,
+                                                          const std::vector<Read>& targets, const PruneResult& plan,
+                                                          GraphReplayOutcome& out) {
   const capture::Tape& tape = *call.tape;
   const std::vector<uint8_t>& available = *call.available;
   const std::vector<at::Tensor>& live = *call.live;
@@ -273,166 +399,6 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     out.detail = std::move(detail);
     return std::unordered_map<ValueId, at::Tensor>{};
   };
-
-  // The key (Note [Graph keys]).
-  std::vector<uint8_t> capture_live;
-  const std::vector<uint8_t> tainted = tainted_ops(tape, available, &capture_live);
-  std::vector<OpIndex> graph_ops;
-  for (size_t i = 0; i < tainted.size(); ++i) {
-    if (!tainted[i]) graph_ops.push_back(static_cast<OpIndex>(i));
-  }
-  uint64_t constants = 0;
-  if (!hash_constants(*call.payloads, graph_ops, &constants)) {
-    return refuse(GraphFallback::kUnsupportedArgs,
-                  "an op of the block has a constant argument that cannot be compared between block calls");
-  }
-  Fnv64 key;
-  key.mix(call.signature);
-  key.mix(constants);
-  for (size_t v = 0; v < capture_live.size(); ++v) {
-    if (capture_live[v]) key.mix(v);
-  }
-  Entry& e = *find_or_add(key.value());
-  if (e.failed == GraphFallback::kNone && !e.exec) {
-    // Note [Graph RNG] (capture/cuda/graph_device.cpp): a launch gives the graph's random ops the forward's first
-    // offset plus their offsets within the graph. A random op left out of the graph but drawing between two of its
-    // random ops made the forward's later offsets larger than the graph's, and the offset check cannot see it (the
-    // captured call's deltas include it too): such a key is never captured.
-    OpIndex first = -1, last = -1;
-    for (OpIndex i : graph_ops) {
-      if (!tape.op(i).has(OpFlag::kRandom)) continue;
-      if (first < 0) first = i;
-      last = i;
-    }
-    for (OpIndex i = first + 1; first >= 0 && i < last; ++i) {
-      if (tainted[static_cast<size_t>(i)] && tape.op(i).has(OpFlag::kRandom)) {
-        e.failed = GraphFallback::kRngMismatch;
-        e.failed_detail = "random op #" + std::to_string(i) + " (" + capture::op_kind_name(tape.op(i).kind) +
-                          ") cannot be in the graph but draws between its random ops #" + std::to_string(first) +
-                          " and #" + std::to_string(last) + ": the graph's offsets would skip its draws";
-        break;
-      }
-    }
-  }
-  if (e.failed != GraphFallback::kNone) return refuse(e.failed, e.failed_detail);
-
-  if (!e.exec) {
-    // What the capture will hold: every storage a captured op creates, and a static buffer per value it reads live.
-    int64_t bytes = 0;
-    for (OpIndex i : graph_ops) {
-      for (capture::StorageId s : tape.op(i).writes) {
-        const capture::StorageInfo& st = tape.storage(s);
-        if (!st.external && !st.writers.empty() && st.writers[0] == i) bytes += st.nbytes;
-      }
-    }
-    for (size_t v = 0; v < capture_live.size(); ++v) {
-      if (capture_live[v]) bytes += tape.values()[v].meta.nbytes;
-    }
-    e.bytes = bytes;  // pending until captured (pending_bytes)
-    if (e.eager < options_.warmup) {
-      ++e.eager;
-      out.warmup = true;
-      return {};
-    }
-    if (!capture_enabled_) {
-      return refuse(GraphFallback::kMemoryLimit,
-                    "the plan under memory_limit leaves no room for the graph's " + std::to_string(bytes) +
-                        " bytes of static memory; this block replays eagerly");
-    }
-    if (captured_ >= options_.max_graphs) {
-      return refuse(GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
-                                                    " graphs already (max_graphs); this block replays eagerly");
-    }
-    if (call.memory_limit > 0 && call.last_peak == 0) {
-      out.warmup = true;  // no step measured yet: the statics' room under the limit is unknown
-      return {};
-    }
-    const int64_t peak = std::max(call.in_use, call.last_peak);
-    if (call.memory_limit > 0 && peak + bytes > call.memory_limit) {
-      return refuse(GraphFallback::kMemoryLimit,
-                    "capturing the block needs " + std::to_string(bytes) + " bytes of static memory, held from "
-                    "then on; the step peaks at " + std::to_string(peak) + " bytes under a limit of " +
-                        std::to_string(call.memory_limit));
-    }
-    // Static inputs, from the forward's metadata (the call may no longer hold the tensors its plan does not read).
-    std::vector<at::Tensor> inputs(tape.values().size());
-    for (size_t v = 0; v < capture_live.size(); ++v) {
-      if (!capture_live[v]) continue;
-      const capture::TensorMeta& m = tape.values()[v].meta;
-      const auto options = at::TensorOptions()
-                               .dtype(static_cast<c10::ScalarType>(m.dtype))
-                               .device(c10::Device(static_cast<c10::DeviceType>(m.device_type),
-                                                   static_cast<c10::DeviceIndex>(m.device_index)));
-      // Zeros, not garbage: the emulation runs the capture (an index read from garbage would fault).
-      inputs[v] = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
-      const auto elems = static_cast<int64_t>(inputs[v].storage().nbytes()) / inputs[v].element_size();
-      inputs[v].as_strided({elems}, {1}, 0).zero_();  // the whole storage: an expanded view cannot be filled
-    }
-    class Forward final : public ReplayObserver {
-     public:
-      explicit Forward(capture::GraphDevice& d) : d_(d) {}
-      void after_op(OpIndex op, const std::vector<c10::IValue>& args, const std::vector<at::Tensor>& outs) override {
-        d_.after_op(op, args, outs);
-      }
-
-     private:
-      capture::GraphDevice& d_;
-    } forward(*device_);
-    ReplaySource src;
-    src.tape = &tape;
-    src.payloads = call.payloads;
-    src.live = &inputs;
-    src.available = &capture_live;
-    ReplayOptions ro;
-    ro.set_rng = device_->capture_executes();
-    ro.observer = &forward;
-    std::vector<at::Tensor> env;
-    std::string error;
-    bool began = false;
-    try {
-      device_->begin_capture();
-      began = true;
-      env = run_ops(src, graph_ops, ro);
-    } catch (const std::exception& ex) {
-      if (began) device_->abort_capture();
-      error = ex.what();
-    }
-    std::unique_ptr<capture::ExecGraph> exec;
-    if (error.empty()) exec = device_->end_capture(&error);
-    if (!exec) {
-      e.failed = GraphFallback::kCaptureInvalidated;
-      e.failed_detail = "capture failed: " + error;
-      return refuse(e.failed, e.failed_detail);
-    }
-    const GraphVerdict verdict = check_capturable(exec->topology());
-    if (!verdict.ok()) {
-      e.failed = verdict.reason;
-      e.failed_detail = verdict.detail;
-      return refuse(e.failed, e.failed_detail);
-    }
-    e.exec = std::move(exec);
-    e.ops = graph_ops;
-    e.in_graph.assign(tape.ops().size(), 0);
-    for (OpIndex i : graph_ops) {
-      e.in_graph[static_cast<size_t>(i)] = 1;
-      if (tape.op(i).has(OpFlag::kRandom)) e.random_ops.push_back(i);
-    }
-    e.capture_live = capture_live;
-    e.statics = std::move(env);
-    e.impl_refs.assign(e.statics.size(), 0);
-    e.storage_refs.assign(e.statics.size(), 0);
-    for (size_t v = 0; v < e.statics.size(); ++v) {
-      if (!e.statics[v].defined()) continue;
-      e.impl_refs[v] = static_cast<int64_t>(e.statics[v].use_count());
-      e.storage_refs[v] = static_cast<int64_t>(e.statics[v].storage().use_count());
-    }
-    e.payloads = *call.payloads;
-    e.applied.assign(e.exec->topology().node_count(), 1);
-    ++captured_;
-    out.captured = true;
-  }
-
-  // Checks (Note [Static memory]); nothing changes until all of them pass.
   const size_t nvalues = tape.values().size();
   std::vector<uint8_t> needed(tape.ops().size(), 0);
   std::vector<uint8_t> written(tape.storages().size(), 0);
@@ -552,6 +518,64 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     }
   }
   return result;
+}
+
+std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call, const std::vector<Read>& targets,
+                                                          const PruneResult& plan, GraphReplayOutcome* outcome) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GraphReplayOutcome& out = *outcome;
+  out = GraphReplayOutcome{};
+  const capture::Tape& tape = *call.tape;
+  const std::vector<uint8_t>& available = *call.available;
+  auto refuse = [&out](GraphFallback reason, std::string detail) {
+    out.reason = reason;
+    out.detail = std::move(detail);
+    return std::unordered_map<ValueId, at::Tensor>{};
+  };
+
+  // The key (Note [Graph keys]).
+  std::vector<uint8_t> capture_live;
+  const std::vector<uint8_t> tainted = tainted_ops(tape, available, &capture_live);
+  std::vector<OpIndex> graph_ops;
+  for (size_t i = 0; i < tainted.size(); ++i) {
+    if (!tainted[i]) graph_ops.push_back(static_cast<OpIndex>(i));
+  }
+  uint64_t constants = 0;
+  if (!hash_constants(*call.payloads, graph_ops, &constants)) {
+    return refuse(GraphFallback::kUnsupportedArgs,
+                  "an op of the block has a constant argument that cannot be compared between block calls");
+  }
+  Fnv64 key;
+  key.mix(call.signature);
+  key.mix(constants);
+  for (size_t v = 0; v < capture_live.size(); ++v) {
+    if (capture_live[v]) key.mix(v);
+  }
+  Entry& e = *find_or_add(key.value());
+  if (e.failed == GraphFallback::kNone && !e.exec) {
+    // Note [Graph RNG] (capture/cuda/graph_device.cpp): a launch gives the graph's random ops the forward's first
+    // offset plus their offsets within the graph. A random op left out of the graph but drawing between two of its
+    // random ops made the forward's later offsets larger than the graph's, and the offset check cannot see it (the
+    // captured call's deltas include it too): such a key is never captured.
+    OpIndex first = -1, last = -1;
+    for (OpIndex i : graph_ops) {
+      if (!tape.op(i).has(OpFlag::kRandom)) continue;
+      if (first < 0) first = i;
+      last = i;
+    }
+    for (OpIndex i = first + 1; first >= 0 && i < last; ++i) {
+      if (tainted[static_cast<size_t>(i)] && tape.op(i).has(OpFlag::kRandom)) {
+        e.failed = GraphFallback::kRngMismatch;
+        e.failed_detail = "random op #" + std::to_string(i) + " (" + capture::op_kind_name(tape.op(i).kind) +
+                          ") cannot be in the graph but draws between its random ops #" + std::to_string(first) +
+                          " and #" + std::to_string(last) + ": the graph's offsets would skip its draws";
+        break;
+      }
+    }
+  }
+  if (e.failed != GraphFallback::kNone) return refuse(e.failed, e.failed_detail);
+  if (!e.exec && !capture(e, call, graph_ops, capture_live, out)) return {};
+  return launch(e, call, targets, plan, out);
 }
 
 }  // namespace tapesac::replay

@@ -134,6 +134,11 @@ class GraphCache {
  private:
   struct Entry;
   Entry* find_or_add(uint64_t key);
+  bool capture(Entry& e, const GraphCall& call, const std::vector<capture::OpIndex>& graph_ops,
+               const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out);
+  std::unordered_map<capture::ValueId, at::Tensor> launch(Entry& e, const GraphCall& call,
+                                                          const std::vector<Read>& targets, const PruneResult& plan,
+                                                          GraphReplayOutcome& out);
 
   std::shared_ptr<capture::GraphDevice> device_;
   GraphOptions options_;

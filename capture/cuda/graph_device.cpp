@@ -22,10 +22,13 @@
 
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/cuda/device.h"
+#include "tapesac/cuda/event.h"
 #include "tapesac/cuda/cupti_timer.h"
 #include "tapesac/cuda/graph_capture.h"
 
@@ -162,11 +165,27 @@ std::unique_ptr<capture::ExecGraph> CudaGraphDevice::end_capture(std::string* er
 
 void CudaGraphDevice::abort_capture() noexcept { release_capture(); }
 
-std::string CudaGraphDevice::before_launch(capture::ExecGraph& /*exec*/, const std::vector<capture::OpIndex>& random_ops,
+void CudaGraphDevice::order_after_last_launch(const capture::ExecGraph& exec) {
+  // The static buffers never go back to the allocator, so nothing orders their reuse across streams: when this
+  // launch (and its staging) runs on another stream than the graph's previous one, it first waits for everything
+  // queued on that stream so far — the previous launch and the kernels that read its outputs.
+  const auto it = last_stream_.find(&exec);
+  if (it == last_stream_.end()) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  const cudaStream_t now = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+  const auto before = static_cast<cudaStream_t>(it->second);
+  if (before == now) return;
+  Event done(EventOptions{/*timing=*/false});
+  done.record(before);
+  TAPESAC_CUDA_CHECK(cudaStreamWaitEvent(now, done.get(), 0));
+}
+
+std::string CudaGraphDevice::before_launch(capture::ExecGraph& exec, const std::vector<capture::OpIndex>& random_ops,
                                            const std::vector<capture::OpPayload>& captured,
                                            const std::vector<capture::OpPayload>& current) {
   TAPESAC_INTERNAL_ASSERT(!saved_generator_.has_value(),
                           "CudaGraphDevice::before_launch called again before after_launch()");
+  order_after_last_launch(exec);
   if (random_ops.empty()) return "";
   const at::Generator& dflt = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA,
                                                                                static_cast<c10::DeviceIndex>(device_)));
@@ -200,7 +219,14 @@ std::string CudaGraphDevice::before_launch(capture::ExecGraph& /*exec*/, const s
   return "";
 }
 
-void CudaGraphDevice::after_launch(capture::ExecGraph& /*exec*/) noexcept { restore_generator(); }
+void CudaGraphDevice::after_launch(capture::ExecGraph& exec) noexcept {
+  restore_generator();
+  try {
+    last_stream_[&exec] = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+  } catch (...) {
+    last_stream_.erase(&exec);  // unknown: the next launch on another stream is then not ordered (documented)
+  }
+}
 
 void CudaGraphDevice::restore_generator() noexcept {
   if (!saved_generator_.has_value()) return;

@@ -9,7 +9,9 @@
 //  * begin_capture() makes the capture's side stream current on the device (after the caller's stream's work);
 //    end_capture() and abort_capture() restore the caller's device and current stream (which then waits for the
 //    side stream), also when the capture failed. The thread's capture interaction mode is never changed.
-//  * before_launch(): Note [Graph RNG] in graph_device.cpp. It refuses (returns why) when a random op drew from a
+//  * before_launch() first orders the launch after the graph's previous one when the current stream differs from
+//    the stream that one ran on (an event on the old stream, waited for on the new one): the static buffers are
+//    reused across launches with no allocator stream tracking. Then Note [Graph RNG] in graph_device.cpp. It refuses (returns why) when a random op drew from a
 //    generator other than this device's default CUDA generator, when a payload has no generator state, or when the
 //    offsets the replayed forward drew at are not spaced as in the call the graph was captured from. Otherwise it
 //    sets the default generator to the state the forward's first random op saw; after_launch() puts back the state
@@ -27,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -68,6 +71,7 @@ class CudaGraphDevice final : public capture::GraphDevice {
   struct DeviceGuard;
   void release_capture() noexcept;
   void restore_generator() noexcept;
+  void order_after_last_launch(const capture::ExecGraph& exec);
 
   int device_;
   uint64_t pool_first_, pool_second_;
@@ -77,6 +81,8 @@ class CudaGraphDevice final : public capture::GraphDevice {
   /// The default generator's state saved by before_launch(), put back by after_launch().
   std::optional<at::Generator> saved_generator_;
   c10::intrusive_ptr<c10::TensorImpl> saved_state_;
+  /// The stream (a cudaStream_t) each graph last launched on.
+  std::unordered_map<const capture::ExecGraph*, void*> last_stream_;
 };
 
 /// A CudaGraphDevice as the replayer holds it (the binding's `tapesac._C.cuda_graph_device`).

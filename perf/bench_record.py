@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tapesac = _import_tapesac()
     env = environment()
-    print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, git {env['git_sha'] or 'none'}"
+    print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, git {env['git_commit'] or 'none'}"
           f"{' (dirty)' if env['git_dirty'] else ''}; {args.rounds} rounds after {args.warmup} warm-up")
     t0 = time.perf_counter()
     results = [bench_workload(tapesac, w.strip(), args) for w in args.workloads.split(",") if w.strip()]

@@ -79,7 +79,7 @@ py::dict stats_to_dict(const replay::BlockStats& s) {
   return d;
 }
 
-py::dict memory_to_dict(const replay::StepMemoryStats& m) {
+py::dict memory_to_dict(const replay::StepMemoryStats& m, bool with_timeline = true) {
   py::dict d;
   d["baseline_bytes"] = m.baseline;
   d["total"] = gauge_to_dict(m.total);
@@ -93,12 +93,14 @@ py::dict memory_to_dict(const replay::StepMemoryStats& m) {
   d["replay_pieces"] = m.replay_pieces;
   d["memory_limit"] = m.memory_limit;
   py::list timeline;
-  for (const auto& p : m.timeline) {
-    timeline.append(py::make_tuple(p.t_ns, p.bytes, allocator::phase_name(p.phase)));
+  if (with_timeline) {
+    for (const auto& p : m.timeline) timeline.append(py::make_tuple(p.t_ns, p.bytes, allocator::phase_name(p.phase)));
   }
   d["timeline"] = timeline;
   py::list spans;
-  for (const auto& sp : m.spans) spans.append(py::make_tuple(sp.kind, sp.block, sp.begin_ns, sp.end_ns));
+  if (with_timeline) {
+    for (const auto& sp : m.spans) spans.append(py::make_tuple(sp.kind, sp.block, sp.begin_ns, sp.end_ns));
+  }
   d["spans"] = spans;
   return d;
 }
@@ -214,7 +216,8 @@ void bind_replay(py::module_& m) {
       .def("clear_approx", [](Session& s) { s.set_approx(nullptr); })
       .def("shutdown", &Session::shutdown)
       .def_property_readonly("memory_limit", [](const Session& s) { return s.options().memory_limit; })
-      .def("last_memory", [](const Session& s) { return memory_to_dict(s.last_memory()); })
+      .def("last_memory", [](const Session& s, bool timeline) { return memory_to_dict(s.last_memory(), timeline); },
+           py::arg("timeline") = true)
       .def("begin_step", &Session::begin_step, py::arg("params"))
       .def("end_step", &Session::end_step)
       .def_property_readonly("in_step", &Session::in_step)

@@ -508,7 +508,7 @@ class TapeSAC:
             except OSError as e:
                 raise ConfigError(f"{what}={str(path)!r} cannot be opened for appending ({e}); pass a writable file "
                                   f"path")
-        self._timeline: dict[str, Any] = {}
+        self._timeline: dict[str, Any] | None = {}
         self._steps = 0
         self._last: StepStats | None = None
         # The last HISTORY_STEPS steps (a 40,000-step run must not grow host memory step by step).
@@ -764,6 +764,14 @@ class TapeSAC:
             self._close_top_block()
         self._session.end_block()
 
+    def _get_timeline(self) -> dict[str, Any]:
+        """The last step's memory timeline, converted from the session on first use (valid until the next step ends)."""
+        if self._timeline is None:
+            raw = self._session.last_memory()
+            self._timeline = {"timeline": [list(p) for p in raw["timeline"]],
+                              "spans": [list(sp) for sp in raw["spans"]]}
+        return self._timeline
+
     def _collect(self, seconds: float) -> StepStats:
         raw = self._session.last_stats()
         blocks = tuple(
@@ -822,12 +830,12 @@ class TapeSAC:
                 warnings.warn(f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept", stacklevel=3)
 
         totals = {f.name: sum(getattr(b, f.name) for b in blocks) for f in fields(_Counts)}
-        raw = self._session.last_memory()
+        raw = self._session.last_memory(timeline=False)  # the timeline is converted on demand (_get_timeline)
         cuda_peak = None
         if self._device.type == "cuda":
             cuda_peak = int(torch.cuda.max_memory_allocated(self._device))
         memory = MemoryStats.from_session(raw, str(self._device), cuda_peak)
-        self._timeline = {"timeline": [list(p) for p in raw["timeline"]], "spans": [list(sp) for sp in raw["spans"]]}
+        self._timeline = None  # the session's last step; see _get_timeline
         return StepStats(
             memory=memory,
             **totals,
@@ -880,9 +888,10 @@ class TapeSAC:
         record = {"schema_version": SCHEMA_VERSION, "kind": "step", **asdict(stats)}
         if stats.step in (1, 2, 10) or stats.step % 100 == 0:
             # The memory timeline on a few steps only (it is the bulk of a record), thinned to <= 1024 points.
-            pts = self._timeline.get("timeline", [])
+            tl = self._get_timeline()
+            pts = tl.get("timeline", [])
             stride = max(1, -(-len(pts) // 1024))
-            record["timeline"] = {"timeline": pts[::stride], "spans": self._timeline.get("spans", [])}
+            record["timeline"] = {"timeline": pts[::stride], "spans": tl.get("spans", [])}
         try:
             with self._log_path.open("a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -950,7 +959,7 @@ class TapeSAC:
         """A StepReport of the steps run so far (the last step in detail)."""
         from .report import StepReport
 
-        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._timeline,
+        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._get_timeline(),
                                        total_steps=self._steps)
 
     def close(self) -> None:
@@ -958,6 +967,7 @@ class TapeSAC:
         if self._closed:
             return
         self._close_open_blocks()
+        self._get_timeline()  # report() after close() still shows the last step's timeline
         self._session.shutdown()
         self._closed = True
 

@@ -279,7 +279,10 @@ void BlockCall::close_forward() {
   // kept whatever the policy says. In tape order, each one found is made available at once, so that later values
   // can be rebuilt from it.
   std::vector<uint8_t> must_keep(decidable.size(), 0);
-  for (size_t i = 0; i < decidable.size(); ++i) {
+  // policy "none" keeps every decidable value whatever must_keep says; only the tape observer (the planner) reads
+  // must_keep then, so without one the per-value prunes (each O(tape)) are skipped.
+  const bool keep_all = options_->policy == PolicyKind::kNone && !(session_ != nullptr && session_->tape_observer());
+  for (size_t i = 0; i < decidable.size() && !keep_all; ++i) {
     const ValueId v = decidable[i];
     const bool preserved_by_keeping = !tainted.empty() && tainted[static_cast<size_t>(v)];
     if (!preserved_by_keeping && prune(tape, {Read{v, state_of_value[static_cast<size_t>(v)]}}, available_).ok) {

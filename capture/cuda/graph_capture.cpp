@@ -17,7 +17,6 @@
 #include <torch/version.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
-#include "tapesac/capture/kernel_times.h"
 #include "tapesac/cuda/check.h"
 #include "tapesac/cuda/cupti_timer.h"
 #include "tapesac/cuda/event.h"
@@ -273,14 +272,8 @@ CaptureOutcome GraphCapture::end() {
   impl_->graph->instantiate();
   if (cupti) {
     try {
-      // Node ids are read while subscribed; the clone map arrives with the records.
-      std::vector<uint64_t> ids(handles.size(), 0);
-      const auto& owner = impl_->attribution.owner();
-      for (size_t i = 0; i < handles.size(); ++i) {
-        if (owner[i] >= 0) ids[i] = cupti->graph_node_id(handles[i]);
-      }
-      const CuptiRecords records = cupti->stop();
-      exec->exec_owner = capture::exec_node_owner(ids, owner, records.cloned);
+      const CuptiRecords records = cupti->stop();  // the clone map arrives with the records
+      exec->exec_owner = cupti->exec_node_owner(handles, impl_->attribution.owner(), records);
       exec->mapped = !exec->exec_owner.empty();
       if (!exec->mapped) exec->map_note = "CUPTI reported no cloned node for this graph's instantiation";
     } catch (const std::exception& e) {

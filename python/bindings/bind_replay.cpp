@@ -105,6 +105,14 @@ py::dict memory_to_dict(const replay::StepMemoryStats& m, bool with_timeline = t
   return d;
 }
 
+replay::LaunchTiming parse_graph_timing(const std::string& timing) {
+  if (timing == "off") return replay::LaunchTiming::kOff;
+  if (timing == "first") return replay::LaunchTiming::kFirst;
+  if (timing == "every") return replay::LaunchTiming::kEvery;
+  TAPESAC_CHECK(false, kConfig, "unknown graph_timing '", timing, "'; expected 'off', 'first' or 'every'");
+  return replay::LaunchTiming::kOff;
+}
+
 replay::PreserveMode parse_preserve(const std::string& mode) {
   if (mode == "off") return replay::PreserveMode::kOff;
   if (mode == "regions") return replay::PreserveMode::kRegions;
@@ -161,16 +169,7 @@ void bind_replay(py::module_& m) {
              o.graph_device = std::move(graph_device);
              o.graph.warmup = graph_warmup;
              o.graph.max_graphs = max_graphs;
-             if (graph_timing == "off") {
-               o.graph.time_launches = replay::LaunchTiming::kOff;
-             } else if (graph_timing == "first") {
-               o.graph.time_launches = replay::LaunchTiming::kFirst;
-             } else if (graph_timing == "every") {
-               o.graph.time_launches = replay::LaunchTiming::kEvery;
-             } else {
-               TAPESAC_CHECK(false, kConfig, "unknown graph_timing '", graph_timing,
-                             "'; expected 'off', 'first' or 'every'");
-             }
+             o.graph.time_launches = parse_graph_timing(graph_timing);
              if (device_timing) o.op_timers = capture::device_op_timers(arena_device);  // CUDA device index
              return std::make_unique<Session>(std::move(o));
            }),

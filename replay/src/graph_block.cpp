@@ -187,15 +187,6 @@ bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<Op
   return true;
 }
 
-const char* to_string(LaunchTiming t) {
-  switch (t) {
-    case LaunchTiming::kOff: return "off";
-    case LaunchTiming::kFirst: return "first";
-    case LaunchTiming::kEvery: return "every";
-  }
-  return "off";
-}
-
 struct GraphCache::Entry {
   int eager = 0;
   GraphFallback failed = GraphFallback::kNone;
@@ -212,7 +203,7 @@ struct GraphCache::Entry {
   std::vector<uint8_t> applied;     // the node mask the executable has now
   std::vector<ValueId> handed;      // values whose static tensors the last launch handed out
   int64_t bytes = 0;
-  int64_t timing_attempts = 0;      // launches a timer was asked for (LaunchTiming::kFirst: at most one)
+  bool timing_asked = false;        // a timer was asked for a launch (LaunchTiming::kFirst: only the first)
 
   bool referenced(ValueId v) const {
     const at::Tensor& t = statics[static_cast<size_t>(v)];
@@ -484,8 +475,8 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const Graph
   }
   std::unique_ptr<capture::LaunchTimer> timer;
   if (options_.time_launches == LaunchTiming::kEvery ||
-      (options_.time_launches == LaunchTiming::kFirst && e.timing_attempts == 0)) {
-    ++e.timing_attempts;
+      (options_.time_launches == LaunchTiming::kFirst && !e.timing_asked)) {
+    e.timing_asked = true;
     timer = device_->time_launch(*e.exec, &out.timing_note);
   }
   e.exec->launch();

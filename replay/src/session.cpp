@@ -281,7 +281,8 @@ void BlockCall::close_forward() {
   std::vector<uint8_t> must_keep(decidable.size(), 0);
   // policy "none" keeps every decidable value whatever must_keep says; only the tape observer (the planner) reads
   // must_keep then, so without one the per-value prunes (each O(tape)) are skipped.
-  const bool keep_all = options_->policy == PolicyKind::kNone && !(session_ != nullptr && session_->tape_observer());
+  const bool observed = session_ != nullptr && static_cast<bool>(session_->tape_observer());
+  const bool keep_all = options_->policy == PolicyKind::kNone && !observed;
   for (size_t i = 0; i < decidable.size() && !keep_all; ++i) {
     const ValueId v = decidable[i];
     const bool preserved_by_keeping = !tainted.empty() && tainted[static_cast<size_t>(v)];
@@ -292,7 +293,6 @@ void BlockCall::close_forward() {
     available_[static_cast<size_t>(v)] = 1;
   }
   const bool planning = options_->policy == PolicyKind::kPlan;
-  const bool observed = session_ != nullptr && static_cast<bool>(session_->tape_observer());
   const bool graphed = session_ != nullptr && session_->graph_cache() != nullptr;
   const uint64_t signature = (planning || observed || graphed) ? tape_signature(tape, decidable) : 0;
   st.signature = signature;

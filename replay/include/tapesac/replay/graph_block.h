@@ -50,9 +50,6 @@ enum class LaunchTiming : uint8_t {
   kEvery,  ///< every launch (one synchronisation per launch)
 };
 
-/// "off", "first" or "every".
-const char* to_string(LaunchTiming t);
-
 struct GraphOptions {
   /// Eager replays of a key before it is captured (lazy library initialisation must not happen under capture).
   int warmup = 1;

@@ -1,11 +1,15 @@
 // Replay limit arithmetic and arena accounting (see limit.h).
 #include "tapesac/allocator/limit.h"
 
+#include "tapesac/common/bytes.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
 namespace tapesac::allocator {
+
+using common::format_bytes;
 
 LimitDecision decide(int64_t limit, int64_t in_use, int64_t whole_need, int64_t piece_need) noexcept {
   LimitDecision d;
@@ -27,22 +31,6 @@ LimitDecision decide(int64_t limit, int64_t in_use, int64_t whole_need, int64_t 
     d.need = piece_need;
   }
   return d;
-}
-
-std::string format_bytes(int64_t bytes) {
-  char buf[64];
-  const double b = static_cast<double>(bytes);
-  const double a = std::abs(b);
-  if (a >= 1024.0 * 1024 * 1024) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
-  } else if (a >= 1024.0 * 1024) {
-    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1024.0 * 1024));
-  } else if (a >= 1024.0) {
-    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
-  } else {
-    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
-  }
-  return buf;
 }
 
 std::string rejection_message(const LimitDecision& d, const std::string& block, const std::string& phase) {

@@ -2,7 +2,6 @@
 #include "tapesac/allocator/telemetry.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <iterator>
 #include <unordered_map>
@@ -10,13 +9,12 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include "tapesac/common/clock.h"
+
 namespace tapesac::allocator {
 namespace {
 
-int64_t now_ns() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using common::now_ns;
 
 void atomic_max(std::atomic<int64_t>& a, int64_t v) noexcept {
   int64_t cur = a.load(std::memory_order_relaxed);

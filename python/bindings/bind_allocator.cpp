@@ -7,7 +7,8 @@
 #include "bindings.h"
 #include "tapesac/allocator/limit.h"
 #include "tapesac/allocator/telemetry.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/bytes.h"
+#include "tapesac/common/errors.h"
 #ifdef TAPESAC_WITH_CUDA
 #include "tapesac/cuda/arena.h"
 #include "tapesac/cuda/graph_device.h"
@@ -61,7 +62,7 @@ void bind_allocator(py::module_& m) {
       .def("gauge", [](const MemoryMeter& mm) { return gauge_to_dict(mm.gauge()); });
   m.def("counting_allocator_installed", &CountingAllocatorUse::installed,
         "Whether tapesac's counting layer is torch's CPU allocator now.");
-  m.def("format_bytes", &allocator::format_bytes);
+  m.def("format_bytes", &common::format_bytes);
   m.def(
       "device_memory",
       [](int device) {

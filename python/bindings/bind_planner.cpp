@@ -11,7 +11,8 @@
 
 #include "bindings.h"
 #include "tapesac/allocator/limit.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/bytes.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 #include "tapesac/planner/from_tape.h"
 #include "tapesac/planner/problem_io.h"
@@ -63,9 +64,9 @@ class AutoPlanner {
       plan = use_seq ? planner::plan_step(input, seq_, limit) : planner::plan_step(input, model, limit);
     } catch (const planner::InfeasibleLimitError& e) {
       throw Error(ErrorKind::kMemoryLimit,
-                  "tapesac: memory_limit " + allocator::format_bytes(limit) + " (" + std::to_string(limit) +
+                  "tapesac: memory_limit " + common::format_bytes(limit) + " (" + std::to_string(limit) +
                       " bytes) is below the smallest feasible step peak " +
-                      allocator::format_bytes(e.smallest_feasible_bytes()) + " (" +
+                      common::format_bytes(e.smallest_feasible_bytes()) + " (" +
                       std::to_string(e.smallest_feasible_bytes()) +
                       " bytes: parameters, gradients and activations outside the blocks as measured in the first "
                       "step, plus the least every block must keep, plus one block's replay). Raise memory_limit to "

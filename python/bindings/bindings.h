@@ -5,6 +5,10 @@
 
 #include "tapesac/allocator/telemetry.h"
 
+namespace tapesac::replay {
+class Session;
+}  // namespace tapesac::replay
+
 namespace tapesac::python {
 
 void bind_errors(pybind11::module_& m);
@@ -12,9 +16,11 @@ void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
 void bind_allocator(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
+void bind_stats(pybind11::module_& m);
+/// The Session's methods that return the last step's results (bind_stats.cpp).
+void bind_session_results(pybind11::class_<replay::Session>& c);
 
 /// {current, peak, allocated, allocations} of a gauge.
 pybind11::dict gauge_to_dict(const allocator::Gauge& g);
-
 
 }  // namespace tapesac::python

@@ -2,7 +2,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 
 namespace py = pybind11;
 
@@ -43,6 +43,7 @@ PYBIND11_MODULE(_C, m) {
   tapesac::python::bind_replay(m);
   tapesac::python::bind_allocator(m);
   tapesac::python::bind_planner(m);
+  tapesac::python::bind_stats(m);
 #ifdef TAPESAC_WITH_CUDA
   m.attr("has_cuda_backend") = true;
 #else

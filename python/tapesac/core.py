@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -27,6 +27,7 @@ from .errors import ConfigError, MemoryLimitError, TapeSACError
 from . import preserve as _preserve
 from .memory import MemoryStats, parse_memory_limit
 from .preserve import PRESERVE_MODES
+from .stats import SCHEMA_VERSION, BlockStats, StepStats, block_stats_from, step_stats_from
 
 __all__ = ["TapeSAC", "Approx", "StepStats", "BlockStats", "record_ops"]
 
@@ -84,118 +85,6 @@ class Approx:
         object.__setattr__(self, "targets", tuple(dict.fromkeys(targets)))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ConfigError(f"Approx(seed={self.seed!r}): expected an int in [0, 2**64)")
-
-
-@dataclass(frozen=True)
-class _Counts:
-    """Counters shared by a block call and a whole step (a step's are the sums over its block calls)."""
-
-    ops_recorded: int
-    saved_tensors: int
-    kept_tensors: int
-    dropped_tensors: int
-    opaque_tensors: int
-    kept_bytes: int
-    dropped_bytes: int
-    opaque_bytes: int
-    replays: int
-    ops_replayed: int
-    replay_ms: float
-    replayed_bytes: int
-    replay_pieces: int
-
-
-@dataclass(frozen=True)
-class BlockStats(_Counts):
-    """One block call of a step. ``replayed_bytes``: bytes allocated by its replays; ``replay_peak_bytes``: the
-    largest measured working set of one replay; ``predicted_replay_bytes``: the largest predicted from the tape;
-    ``replay_pieces``: replays split because the whole did not fit under ``memory_limit``. With ``approx``:
-    ``approx_mlp`` gated MLPs approximated (``approx_mlp_skipped``: found but replayed exactly, e.g. a value kept),
-    ``approx_units_total`` their hidden units and ``approx_units_recomputed`` how many replay recomputes; the same for
-    attention (``approx_attn``, ``approx_attn_skipped``, ``approx_heads_total``, ``approx_heads_recomputed``, and
-    ``approx_kv_heads_*`` for its key/value heads);
-    ``approx_kept_values``: dropped values kept because their replay would read an approximated output.
-    With a graph backend (README "GPU backend"): ``graph_replays`` replays launched as a pruned graph,
-    ``graph_captures`` graphs this call's replays captured, ``graph_warmups`` eager warm-up replays,
-    ``graph_fallbacks`` replays that ran eagerly instead, with the last one's ``graph_fallback`` reason and
-    ``graph_detail``; ``graph_staged_bytes`` bytes copied into the graph's static buffers; ``graph_nodes_enabled`` /
-    ``graph_nodes_disabled`` the node mask of the last launch. Timed launches (``TapeSAC(graph_timing=...)``):
-    ``graph_timed_launches`` how many, ``graph_timing`` the source (``"cupti"``: device time of the graph's
-    kernels; ``"cpu_clock"``: the emulation), ``graph_op_ms`` ``(tape op index, op name, ms)`` of each op whose
-    nodes ran, ``graph_device_ms`` their sum, ``graph_unattributed_ms`` the time of work no op owns (the launch's RNG
-    prologue, copies); ``graph_timing_note`` why a launch that was to be timed was not."""
-
-    name: str
-    replay_peak_bytes: int = 0
-    predicted_replay_bytes: int = 0
-    planned: bool = False
-    capture_error: str = ""
-    # Where the tape's op times (the planner's costs) came from: "cupti" or "cuda_events" (device timing, on
-    # CUDA with policy="auto"), "cpu_clock" otherwise; op_timing_note says why the preferred source was not used.
-    op_timing: str = "cpu_clock"
-    op_timing_note: str = ""
-    approx_mlp: int = 0
-    approx_mlp_skipped: int = 0
-    approx_units_total: int = 0
-    approx_units_recomputed: int = 0
-    approx_attn: int = 0
-    approx_attn_skipped: int = 0
-    approx_heads_total: int = 0
-    approx_heads_recomputed: int = 0
-    approx_kv_heads_total: int = 0
-    approx_kv_heads_recomputed: int = 0
-    approx_kept_values: int = 0
-    graph_replays: int = 0
-    graph_captures: int = 0
-    graph_warmups: int = 0
-    graph_fallbacks: int = 0
-    graph_fallback: str = ""
-    graph_detail: str = ""
-    graph_staged_bytes: int = 0
-    graph_nodes_enabled: int = 0
-    graph_nodes_disabled: int = 0
-    graph_timed_launches: int = 0
-    graph_timing: str = ""
-    graph_timing_note: str = ""
-    graph_op_ms: tuple[tuple[int, str, float], ...] = ()
-    graph_device_ms: float = 0.0
-    graph_unattributed_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class StepStats(_Counts):
-    """What one step did. Bytes count unique storages; parameters and buffers are not counted as kept."""
-
-    step: int
-    policy: str
-    block_calls: int
-    step_ms: float
-    blocks: tuple[BlockStats, ...] = ()
-    ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
-    memory: MemoryStats | None = None
-    approx_mlp: int = 0
-    approx_units_total: int = 0
-    approx_units_recomputed: int = 0
-    approx_attn: int = 0
-    approx_heads_total: int = 0
-    approx_heads_recomputed: int = 0
-    approx_kv_heads_total: int = 0
-    approx_kv_heads_recomputed: int = 0
-    approx_kept_values: int = 0
-    # Storages written in place after a block read them (see TapeSAC(preserve=...)): mode, bytes, writes, held
-    # bytes, save/restore time; and the replay records' counts by status ("match", "recovered", ...).
-    preserved: tuple[dict[str, Any], ...] = ()
-    record_counts: dict[str, int] = field(default_factory=dict)
-    # Graph backend: totals over the blocks, and the eager fallbacks by reason.
-    graph_replays: int = 0
-    graph_captures: int = 0
-    graph_fallbacks: int = 0
-    graph_fallback_reasons: dict[str, int] = field(default_factory=dict)
-    # Timed graph launches and the time of their nodes (BlockStats.graph_timed_launches, graph_device_ms).
-    graph_timed_launches: int = 0
-    graph_device_ms: float = 0.0
-    # The blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ; "" without blocks.
-    op_timing: str = ""
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -480,7 +369,7 @@ class TapeSAC:
         self._preserve_trying = "snapshots" if preserve == "snapshots" else "regions"
         self._preserve_mode: str | None = None
         self._records_path = Path(records) if records is not None else None
-        self._last_records: list[dict[str, Any]] = []
+        self._last_records: list[dict[str, Any]] | None = []
         self._approx = approx
         if approx is not None:
             self._session.set_approx(float(approx.fraction), approx.method, mlp="mlp" in approx.targets,
@@ -646,12 +535,12 @@ class TapeSAC:
         return list(self._preserve_trials)
 
     def _write_records(self) -> None:
-        self._last_records = list(self._session.last_records())
-        if self._records_path is None or not self._last_records:
+        self._last_records = None  # converted from the session on first use (last_records)
+        if self._records_path is None or not self._session.last_record_count:
             return
         try:
             with self._records_path.open("a") as f:
-                for r in self._last_records:
+                for r in self.last_records:
                     f.write(json.dumps({"step": self._steps, **r}, sort_keys=True) + "\n")
         except OSError as e:  # runs in the step's `finally`: never mask the step's own exception
             warnings.warn(f"tapesac: cannot append records to {str(self._records_path)!r}: {e}", stacklevel=3)
@@ -660,6 +549,8 @@ class TapeSAC:
     def last_records(self) -> list[dict[str, Any]]:
         """Execution records of the last step: one per replayed value (block, value, op, status, bytes, time_ns,
         detail), including the one a rejected or divergent replay was for."""
+        if self._last_records is None:
+            self._last_records = list(self._session.last_records())
         return list(self._last_records)
 
     @property
@@ -773,96 +664,25 @@ class TapeSAC:
         return self._timeline
 
     def _collect(self, seconds: float) -> StepStats:
-        raw = self._session.last_stats()
-        blocks = tuple(
-            BlockStats(
-                name=b["name"],
-                ops_recorded=b["ops_recorded"],
-                saved_tensors=b["saved"],
-                kept_tensors=b["kept"],
-                dropped_tensors=b["dropped"],
-                opaque_tensors=b["opaque"],
-                kept_bytes=b["kept_bytes"],
-                dropped_bytes=b["dropped_bytes"],
-                opaque_bytes=b["opaque_bytes"],
-                replays=b["replays"],
-                ops_replayed=b["ops_replayed"],
-                replay_ms=b["replay_ns"] / 1e6,
-                replayed_bytes=b["replayed_bytes"],
-                replay_pieces=b["replay_pieces"],
-                replay_peak_bytes=b["replay_peak_bytes"],
-                predicted_replay_bytes=b["predicted_replay_bytes"],
-                planned=bool(b["planned"]),
-                capture_error=b["capture_error"],
-                op_timing=b["op_timing"],
-                op_timing_note=b["op_timing_note"],
-                approx_mlp=b["approx_mlp"],
-                approx_mlp_skipped=b["approx_mlp_skipped"],
-                approx_units_total=b["approx_units_total"],
-                approx_units_recomputed=b["approx_units_recomputed"],
-                approx_attn=b["approx_attn"],
-                approx_attn_skipped=b["approx_attn_skipped"],
-                approx_heads_total=b["approx_heads_total"],
-                approx_heads_recomputed=b["approx_heads_recomputed"],
-                approx_kv_heads_total=b["approx_kv_heads_total"],
-                approx_kv_heads_recomputed=b["approx_kv_heads_recomputed"],
-                approx_kept_values=b["approx_kept_values"],
-                graph_replays=b["graph_replays"],
-                graph_captures=b["graph_captures"],
-                graph_warmups=b["graph_warmups"],
-                graph_fallbacks=b["graph_fallbacks"],
-                graph_fallback=b["graph_fallback"],
-                graph_detail=b["graph_detail"],
-                graph_staged_bytes=b["graph_staged_bytes"],
-                graph_nodes_enabled=b["graph_nodes_enabled"],
-                graph_nodes_disabled=b["graph_nodes_disabled"],
-                graph_timed_launches=b["graph_timed_launches"],
-                graph_timing=b["graph_timing"],
-                graph_timing_note=b["graph_timing_note"],
-                graph_op_ms=tuple((int(i), str(n), ns / 1e6) for i, n, ns in b["graph_op_ns"]),
-                graph_device_ms=b["graph_device_ns"] / 1e6,
-                graph_unattributed_ms=b["graph_unattributed_ns"] / 1e6,
-            )
-            for b in raw
-        )
+        blocks = tuple(block_stats_from(b) for b in self._session.last_stats())
         for b in blocks:
             if b.capture_error:
                 warnings.warn(f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept", stacklevel=3)
-
-        totals = {f.name: sum(getattr(b, f.name) for b in blocks) for f in fields(_Counts)}
         raw = self._session.last_memory(timeline=False)  # the timeline is converted on demand (_get_timeline)
         cuda_peak = None
         if self._device.type == "cuda":
             cuda_peak = int(torch.cuda.max_memory_allocated(self._device))
         memory = MemoryStats.from_session(raw, str(self._device), cuda_peak)
         self._timeline = None  # the session's last step; see _get_timeline
-        return StepStats(
+        return step_stats_from(
+            summary=self._session.last_summary(),
+            blocks=blocks,
             memory=memory,
-            **totals,
             step=self._steps,
             policy=self._policy_label,
-            block_calls=len(blocks),
             step_ms=seconds * 1e3,
-            blocks=blocks,
             ops_replayed_by_name=dict(self._session.last_replayed_by_name()),
-            approx_mlp=sum(b.approx_mlp for b in blocks),
-            approx_units_total=sum(b.approx_units_total for b in blocks),
-            approx_units_recomputed=sum(b.approx_units_recomputed for b in blocks),
-            approx_attn=sum(b.approx_attn for b in blocks),
-            approx_heads_total=sum(b.approx_heads_total for b in blocks),
-            approx_heads_recomputed=sum(b.approx_heads_recomputed for b in blocks),
-            approx_kv_heads_total=sum(b.approx_kv_heads_total for b in blocks),
-            approx_kv_heads_recomputed=sum(b.approx_kv_heads_recomputed for b in blocks),
-            approx_kept_values=sum(b.approx_kept_values for b in blocks),
             preserved=tuple(dict(p) for p in self._session.last_preserved()),
-            record_counts=dict(collections.Counter(r["status"] for r in self._session.last_records())),
-            graph_replays=sum(b.graph_replays for b in blocks),
-            graph_captures=sum(b.graph_captures for b in blocks),
-            graph_fallbacks=sum(b.graph_fallbacks for b in blocks),
-            graph_fallback_reasons=dict(collections.Counter(b.graph_fallback for b in blocks if b.graph_fallbacks)),
-            graph_timed_launches=sum(b.graph_timed_launches for b in blocks),
-            graph_device_ms=sum(b.graph_device_ms for b in blocks),
-            op_timing=",".join(sorted({b.op_timing for b in blocks})),
         )
 
     def _warn_unmatched(self) -> None:
@@ -883,8 +703,6 @@ class TapeSAC:
     def _write_log(self, stats: StepStats) -> None:
         if self._log_path is None:
             return
-        from .report import SCHEMA_VERSION
-
         record = {"schema_version": SCHEMA_VERSION, "kind": "step", **asdict(stats)}
         if stats.step in (1, 2, 10) or stats.step % 100 == 0:
             # The memory timeline on a few steps only (it is the bulk of a record), thinned to <= 1024 points.

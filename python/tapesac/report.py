@@ -14,12 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .core import StepStats
 from .errors import ConfigError
+from .stats import SCHEMA_VERSION, StepStats
 
 __all__ = ["StepReport", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 2
 
 _PHASE_COLORS = {"forward": "#1f77b4", "backward": "#d62728", "replay": "#2ca02c"}
 

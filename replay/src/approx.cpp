@@ -673,7 +673,7 @@ std::unique_ptr<BlockApprox> Approx::prepare(const ApproxInput& in, std::vector<
       }
       const int64_t n = m.units;
       const int64_t k = k_of(n);
-      ++stats.mlp_applied;
+      ++stats.mlp;
       stats.units_total += n;
       if (k == n) {  // everything recomputed: the exact replay, bitwise
         stats.units_recomputed += n;
@@ -719,7 +719,7 @@ std::unique_ptr<BlockApprox> Approx::prepare(const ApproxInput& in, std::vector<
       }
       const int64_t n = m.heads, hd = m.head_dim;
       const int64_t k = k_of(n);
-      ++stats.attn_applied;
+      ++stats.attn;
       stats.heads_total += n;
       stats.kv_heads_total += m.kv_heads;
       if (k == n) {

@@ -48,13 +48,6 @@ TEST(LimitDecide, PieceNeverExceedsWhole) {
   EXPECT_EQ(decide(1000, 800, 300, 900).need, 300);
 }
 
-TEST(FormatBytes, Units) {
-  EXPECT_EQ(format_bytes(512), "512 B");
-  EXPECT_EQ(format_bytes(1536), "1.5 KiB");
-  EXPECT_EQ(format_bytes(3 * 1024 * 1024), "3.00 MiB");
-  EXPECT_EQ(format_bytes(int64_t{5} << 30), "5.00 GiB");
-}
-
 TEST(ArenaAccounting, SharedIsTheLargestSeparateIsTheSumOfPerBlockMaxima) {
   ArenaAccounting a;
   a.on_replay("b0", 100);

@@ -31,9 +31,6 @@ struct LimitDecision {
 
 LimitDecision decide(int64_t limit, int64_t in_use, int64_t whole_need, int64_t piece_need) noexcept;
 
-/// "1.50 GiB" / "12.0 MiB" / "512 B": for messages.
-std::string format_bytes(int64_t bytes);
-
 /// The message of a rejected replay: the limit, the need, the headroom, the block and the phase, and what to do.
 std::string rejection_message(const LimitDecision& d, const std::string& block, const std::string& phase);
 

@@ -148,6 +148,16 @@ class Tape {
   const StorageInfo& storage(StorageId s) const { return storages_.at(static_cast<size_t>(s)); }
   /// Current state of a storage while recording (== final state once the block closed).
   int32_t state_of(StorageId s) const { return storage(s).final_state(); }
+  /// The op whose write made the bytes a read of `v` at storage state `state` sees: for an internal storage read at
+  /// state k > 0 its k-th writer, else v's producer (kExternal for an external value).
+  OpIndex bytes_writer(ValueId v, int32_t state) const {
+    const ValueInfo& info = value(v);
+    const StorageInfo& st = storage(info.storage);
+    if (!st.external && state > 0 && static_cast<size_t>(state) <= st.writers.size()) {
+      return st.writers[static_cast<size_t>(state) - 1];
+    }
+    return info.producer;
+  }
 
   /// Where the ops' duration_ns come from.
   OpTiming op_timing() const { return op_timing_; }

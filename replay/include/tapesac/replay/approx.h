@@ -40,6 +40,7 @@
 
 #include "tapesac/capture/op_payload.h"
 #include "tapesac/capture/tape.h"
+#include "tapesac/replay/approx_stats.h"
 #include "tapesac/replay/eager_replayer.h"
 
 namespace tapesac::replay {
@@ -60,27 +61,6 @@ struct ApproxOptions {
   /// Sketch: inclusion probabilities are proportional to importance + defensive * mean importance (capped at 1), so
   /// that no unit has probability 0 (a unit whose forward output is zero can still carry gradient).
   double defensive = 0.1;
-};
-
-/// What approximation did in one block call (summed into BlockStats).
-struct ApproxStats {
-  /// Gated MLPs found on the tape and approximated / found but replayed exactly (a value kept, a reader outside
-  /// the pattern, an in-place write, ...).
-  int64_t mlp_applied = 0;
-  int64_t mlp_skipped = 0;
-  /// The same for attention (units are query heads).
-  int64_t attn_applied = 0;
-  int64_t attn_skipped = 0;
-  int64_t heads_total = 0;
-  int64_t heads_recomputed = 0;
-  /// Key/value heads of the approximated attentions, and how many replay recomputes (those of a selected head).
-  int64_t kv_heads_total = 0;
-  int64_t kv_heads_recomputed = 0;
-  /// Dropped values kept because their replay would read an approximated component's output.
-  int64_t kept_values = 0;
-  /// Hidden units of the approximated MLPs, and how many replay recomputes.
-  int64_t units_total = 0;
-  int64_t units_recomputed = 0;
 };
 
 /// One gated MLP found on a tape (torch-free; see match_gated_mlps).

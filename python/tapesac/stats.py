@@ -1,0 +1,148 @@
+"""Step statistics: ``BlockStats`` (one block call) and ``StepStats`` (one step), frozen dataclasses.
+
+Both are built from the C++ field list (``replay/block_stats.h``, Note [Statistics defined once]): the fields, their
+types and their docs come from ``_C.block_stats_schema()``, so adding a counter is one line in C++. The only
+conversion is the unit table below: ``*_ns`` fields (nanoseconds) are reported as ``*_ms`` (milliseconds, float).
+A step's totals are summed in C++ (``replay/step_summary.h``) over the fields marked as summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field, make_dataclass
+from typing import Any, Callable
+
+from . import _C
+from .memory import MemoryStats, format_bytes
+
+__all__ = ["BlockStats", "StepStats", "SCHEMA_VERSION", "block_stats_from", "step_stats_from"]
+
+# Version of the JSON records written from these classes (TapeSAC(log=...), StepReport).
+SCHEMA_VERSION = 2
+
+# suffix in C++ -> (suffix in Python, factor): the one unit conversion.
+_UNITS = {"_ns": ("_ms", 1e-6)}
+
+_TYPES: dict[str, tuple[type, Any]] = {"int": (int, 0), "bool": (bool, False), "str": (str, ""),
+                                       "op_times": (tuple, ())}
+
+
+def _convert(name: str, kind: str) -> tuple[str, type, Any, Callable[[Any], Any]]:
+    """(Python name, type, default, converter of the C++ value) of one schema field."""
+    typ, default = _TYPES[kind]
+    for suffix, (new_suffix, factor) in _UNITS.items():
+        if name.endswith(suffix):
+            py_name = name[: -len(suffix)] + new_suffix
+            if kind == "op_times":
+                return py_name, tuple, (), lambda v, f=factor: tuple((int(i), str(n), t * f) for i, n, t in v)
+            return py_name, float, 0.0, lambda v, f=factor: v * f
+    if kind == "op_times":
+        return name, tuple, (), lambda v: tuple(tuple(x) for x in v)
+    return name, typ, default, typ
+
+
+_SCHEMA = [(name, kind, summed, doc) for name, kind, summed, doc in _C.block_stats_schema()]
+# Python name -> (C++ name, converter); in schema order.
+_BLOCK_FIELDS = {}
+for _name, _kind, _summed, _doc in _SCHEMA:
+    _py, _typ, _default, _conv = _convert(_name, _kind)
+    _BLOCK_FIELDS[_py] = (_name, _conv, _typ, _default, _summed, _doc)
+_SUMMED = [py for py, spec in _BLOCK_FIELDS.items() if spec[4]]
+
+
+def _doc(summary: str, names: list[str], extra: dict[str, str] | None = None) -> str:
+    lines = [summary, "", "Attributes:"]
+    for n in names:
+        lines.append(f"    {n}: {_BLOCK_FIELDS[n][5] if n in _BLOCK_FIELDS else (extra or {}).get(n, '')}")
+    for n, d in (extra or {}).items():
+        if n not in names:
+            lines.append(f"    {n}: {d}")
+    return "\n".join(lines)
+
+
+def _short(st: Any) -> str:
+    """One line per object: what a person looks for first."""
+    parts = [f"saved {st.saved_tensors}", f"kept {st.kept_tensors} ({format_bytes(st.kept_bytes)})",
+             f"dropped {st.dropped_tensors} ({format_bytes(st.dropped_bytes)})"]
+    if st.opaque_tensors:
+        parts.append(f"opaque {st.opaque_tensors}")
+    parts.append(f"replays {st.replays} ({st.ops_replayed} ops, {st.replay_ms:.2f} ms)")
+    return ", ".join(parts)
+
+
+def _block_str(self: Any) -> str:
+    return f"BlockStats({self.name}: {_short(self)})"
+
+
+def _step_str(self: Any) -> str:
+    peak = f", peak {format_bytes(self.memory.peak_bytes)}" if self.memory is not None else ""
+    return (f"StepStats(step {self.step}, policy {self.policy}, {self.block_calls} block calls, "
+            f"{self.step_ms:.1f} ms{peak}; {_short(self)})")
+
+
+BlockStats = make_dataclass(
+    "BlockStats",
+    [(py, spec[2], field(default=spec[3])) for py, spec in _BLOCK_FIELDS.items()],
+    frozen=True,
+    kw_only=True,
+    namespace={"__str__": _block_str},
+)
+BlockStats.__module__ = __name__
+BlockStats.__doc__ = _doc("One block call of a step. Bytes count unique storages; parameters and buffers are not "
+                          "counted as kept. ``str()`` is a one-line summary; ``repr()`` shows every field.",
+                          list(_BLOCK_FIELDS))
+
+_STEP_EXTRA: dict[str, tuple[type, Any, str]] = {
+    "step": (int, 0, "the step's number (1 for the first)"),
+    "policy": (str, "", "the policy label ('none', 'full', 'auto', 'save_ops', 'callable')"),
+    "block_calls": (int, 0, "block calls recorded in the step"),
+    "step_ms": (float, 0.0, "wall time of the step (the `with sac.step():` block)"),
+    "blocks": (tuple, (), "the BlockStats of every block call, in order"),
+    "ops_replayed_by_name": (dict, None, "replayed op counts by op name"),
+    "memory": (object, None, "the step's MemoryStats"),
+    "preserved": (tuple, (), "storages written in place after a block read them (see TapeSAC(preserve=...)): "
+                             "mode, bytes, writes, held bytes, save/restore time"),
+    "record_counts": (dict, None, "the step's replay records by status ('match', 'recovered', ...)"),
+    "graph_fallback_reasons": (dict, None, "graph backend: block calls by the reason of their last eager fallback"),
+    "op_timing": (str, "", "the blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ"),
+}
+
+
+def _step_field(name: str, typ: type, default: Any) -> tuple[str, type, Any]:
+    if default is None and typ is dict:
+        return (name, typ, field(default_factory=dict))
+    return (name, typ, field(default=default))
+
+
+StepStats = make_dataclass(
+    "StepStats",
+    [_step_field(n, t, d) for n, (t, d, _) in _STEP_EXTRA.items()]
+    + [(py, _BLOCK_FIELDS[py][2], field(default=_BLOCK_FIELDS[py][3])) for py in _SUMMED],
+    frozen=True,
+    kw_only=True,
+    namespace={"__str__": _step_str},
+)
+StepStats.__module__ = __name__
+StepStats.__doc__ = _doc("What one step did: its block calls, its memory, and the sums over its block calls of the "
+                         "fields below. ``str()`` is a one-line summary; ``repr()`` shows every field.",
+                         _SUMMED, {n: d for n, (_, _, d) in _STEP_EXTRA.items()})
+
+
+def block_stats_from(raw: dict[str, Any]) -> Any:
+    """A BlockStats from the dict the session returns (C++ names and units)."""
+    return BlockStats(**{py: spec[1](raw[spec[0]]) for py, spec in _BLOCK_FIELDS.items()})
+
+
+def step_stats_from(*, summary: dict[str, Any], blocks: tuple[Any, ...], memory: MemoryStats | None,
+                    **extra: Any) -> Any:
+    """A StepStats from the session's step summary (C++ totals), the step's BlockStats and the given fields."""
+    totals = summary["totals"]
+    sums = {py: _BLOCK_FIELDS[py][1](totals[_BLOCK_FIELDS[py][0]]) for py in _SUMMED}
+    return StepStats(blocks=blocks, memory=memory, block_calls=int(summary["block_calls"]),
+                     graph_fallback_reasons=dict(summary["graph_fallback_reasons"]),
+                     record_counts=dict(summary["record_counts"]), op_timing=summary["op_timing"], **sums, **extra)
+
+
+def as_dict(stats: Any) -> dict[str, Any]:
+    """The JSON form of a StepStats or BlockStats (nested dataclasses included)."""
+    return dataclasses.asdict(stats)

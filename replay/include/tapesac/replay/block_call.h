@@ -1,0 +1,188 @@
+// One call of one block within a step: its Recorder and tape, the tensors autograd saves inside it (pack: keep or
+// drop, decided when the forward closes; unpack: serve, or replay the pruned producer closure on first need), and
+// its statistics. SavedSlot is what autograd holds for one saved tensor.
+//
+// Lifetime. A BlockCall is shared by the Session and by every SavedSlot handle that autograd holds. When the step
+// ends the Session closes its block calls: every tensor they hold is released, and a later unpack of one of their
+// handles throws (kGeneric) instead of returning stale data.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tapesac/capture/recorder.h"
+#include "tapesac/replay/approx.h"
+#include "tapesac/replay/block_stats.h"
+#include "tapesac/replay/contract.h"
+#include "tapesac/replay/decide.h"
+#include "tapesac/replay/eager_replayer.h"
+#include "tapesac/replay/graph_block.h"
+#include "tapesac/replay/session_options.h"
+#include "tapesac/replay/step_memory.h"
+
+namespace tapesac::replay {
+
+/// The policy kSaveOps's answers per op kind (-1: not asked yet), shared by a Session's block calls.
+using SaveOpCache = std::vector<int8_t>;
+
+/// What a block call borrows from its Session for one step. Pointers are owned by the Session and outlive the step;
+/// null members mean "none".
+struct BlockContext {
+  const SessionOptions* options = nullptr;
+  /// Storages of the model's parameters and buffers (not counted as kept bytes).
+  const std::unordered_set<const void*>* param_storages = nullptr;
+  SaveOpCache* save_cache = nullptr;
+  std::shared_ptr<StepMemory> memory;
+  std::shared_ptr<WriteWatcher> watcher;
+  /// Storages whose dependents the preservation plan keeps (Session::set_preservation).
+  const std::unordered_set<const void*>* keep_dependents = nullptr;
+  const TapeObserver* observer = nullptr;
+  const std::unordered_map<std::string, BlockPlan>* plans = nullptr;
+  Approx* approx = nullptr;
+  GraphCache* graphs = nullptr;
+  /// The step peak of the previous step (a graph capture must fit on top of it).
+  int64_t last_peak = 0;
+  /// Ops recorded by the previous call of this block (the recorder pre-sizes its tables from it).
+  size_t expected_ops = 64;
+};
+
+/// Thread-safe for pack/unpack after close_forward(); recording itself happens on the thread that runs the forward.
+class BlockCall : public capture::RecorderListener,
+                  public RecordSink,
+                  public std::enable_shared_from_this<BlockCall> {
+ public:
+  BlockCall(std::string name, BlockContext context);
+  ~BlockCall() override;
+
+  void start_forward();
+  /// Ends recording, decides keep/drop for every saved tensor and frees the dropped ones. Recording has stopped
+  /// even when it throws (only allocation or the strict contract's checksums can).
+  void close_forward();
+  /// Called at step end: releases everything; later unpacks throw.
+  void close_step() noexcept;
+
+  /// Registers a tensor autograd saves; returns its slot.
+  int32_t pack(const at::Tensor& t);
+  /// The tensor saved in `slot`, replaying its producers on first need.
+  at::Tensor unpack(int32_t slot);
+  /// The handle of `slot` is gone (autograd freed the node that saved it): its tensor is no longer needed. When
+  /// the last handle goes, everything the block call holds is released. Never throws.
+  void release(int32_t slot) noexcept;
+
+  const std::string& name() const { return name_; }
+  BlockStats stats() const;
+  /// Names of the recorded ops, in order.
+  std::vector<std::string> op_names() const;
+  const std::unordered_map<capture::OpKind, int64_t>& replayed_by_kind() const { return replay_stats_.ops_by_kind; }
+
+  void on_op_recorded(capture::Recorder& recorder, capture::OpIndex op) override;
+  void record(ValueId v, const std::string& status, int64_t bytes, int64_t ns, std::string detail) const override;
+
+ private:
+  struct Slot {
+    at::Tensor tensor;  // kept value, or held until close_forward() decides
+    capture::ValueId value = -1;
+    int32_t state = 0;
+    bool pending = false;  // saved inside an op that has not finished: resolved when it does
+    const c10::TensorImpl* pending_impl = nullptr;  // the saved TensorImpl, for identity while pending
+    // Keeps pending_impl's address from being reused (by an output the recorder then registers) while pending.
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> pending_ref;
+    bool dropped = false;
+    c10::VariableVersion version{c10::VariableVersion::DISABLED};
+    uint32_t saved_version = 0;
+    bool released = false;
+    int64_t last_round = -1;  // the unpack round in which this slot was last unpacked
+    // The tensor autograd saved (weak): when its storage is replaced (`.data = ...`) after the forward, the slot
+    // still serves the forward's bytes, and the unpack says so in the records.
+    c10::weak_intrusive_ptr<c10::TensorImpl> origin{c10::intrusive_ptr<c10::TensorImpl>()};
+    bool replaced_reported = false;
+  };
+
+  // close_forward(), in order.
+  void take_recording();
+  KeepDecision decide();
+  void observe(const KeepDecision& d);
+  void prepare_approx(KeepDecision& d);
+  std::vector<Read> drop(const KeepDecision& d);
+  void trim_live(const std::vector<Read>& targets);
+
+  // unpack(), in order.
+  void begin_backward();
+  at::Tensor serve_kept(int32_t slot);
+  void replay_for(ValueId wanted);
+  std::vector<Read> remaining_targets();
+  std::unordered_map<ValueId, at::Tensor> run_replay(std::vector<Read>& targets, PruneResult& plan,
+                                                     const std::vector<at::Tensor>& live, ValueId wanted);
+  void account_replay(int64_t window_start, int64_t allocated_before, int64_t begin_ns);
+  void keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const std::string& recovered, int64_t replay_ns);
+
+  void resolve_pending(bool final);
+  void release_all() noexcept;
+  /// Applies the memory limit to a replay of `targets` (the remaining dropped values): returns the targets to
+  /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when
+  /// even `wanted` alone cannot fit.
+  std::vector<Read> limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan);
+  /// The CUDA device of the tensors this call holds live, or -1 (CPU).
+  int live_cuda_device() const;
+  /// Replays `targets` through the session's graph cache; empty when it ran nothing (warm-up or fallback: the
+  /// caller replays eagerly). Updates the graph fields of the stats.
+  std::unordered_map<ValueId, at::Tensor> replay_graph(const std::vector<Read>& targets, const PruneResult& plan,
+                                                       const std::vector<at::Tensor>& live);
+  void count_graph_outcome(const GraphReplayOutcome& outcome, const PruneResult& plan);
+
+  std::string name_;
+  BlockContext ctx_;
+  const SessionOptions& options_;
+  int64_t forward_begin_ns_ = 0;
+  capture::Recorder recorder_;
+  ReplayContract contract_;
+
+  mutable std::mutex mu_;
+  std::vector<Slot> slots_;
+  std::vector<int32_t> pending_;
+  bool forward_closed_ = false;
+  bool step_closed_ = false;
+  std::vector<uint8_t> available_;
+  std::vector<at::Tensor> live_;
+  std::unordered_map<capture::ValueId, int32_t> value_state_;
+  // Dropped values: live handles, handles not yet unpacked in this round (a round is one backward over the
+  // graph; retain_graph=True starts another), and replayed tensors waiting for their unpacks.
+  std::unordered_map<capture::ValueId, int32_t> handles_;
+  std::unordered_map<capture::ValueId, int32_t> remaining_;
+  int64_t round_ = 0;
+  int64_t alive_slots_ = 0;
+  std::unordered_map<capture::ValueId, at::Tensor> cache_;
+  ReplayStats replay_stats_;
+  std::unique_ptr<BlockApprox> approx_;  // null: exact replay
+  int64_t replays_ = 0;
+  uint64_t signature_ = 0;
+  std::vector<int64_t> graph_op_ns_;         // per tape op, summed over the timed launches
+  std::vector<std::string> graph_op_names_;  // op names, taken at the first timed launch (the tape goes at step end)
+  BlockStats closed_stats_;
+};
+
+/// What pack hands to autograd for one saved tensor: unpack() serves it; destruction releases it (autograd
+/// destroys it with the graph node that saved it). Shared by the Python handle object; not copyable.
+class SavedSlot {
+ public:
+  SavedSlot(std::shared_ptr<BlockCall> block, int32_t slot) : block_(std::move(block)), slot_(slot) {}
+  ~SavedSlot() { block_->release(slot_); }
+  SavedSlot(const SavedSlot&) = delete;
+  SavedSlot& operator=(const SavedSlot&) = delete;
+  at::Tensor unpack() const { return block_->unpack(slot_); }
+  int32_t slot() const { return slot_; }
+
+ private:
+  std::shared_ptr<BlockCall> block_;
+  int32_t slot_;
+};
+
+}  // namespace tapesac::replay

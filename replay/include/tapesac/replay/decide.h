@@ -1,0 +1,96 @@
+// The keep/drop decision of one block call, as a pure function of the tape, what autograd saved and the policy's
+// inputs (torch-free, so gtests build the tapes by hand). BlockCall::close_forward() applies it.
+//
+// Note [Keep or drop]. The values decided on are the *decidable* ones: saved for backward, produced on the tape, in
+// an internal storage (externals and every value of a call whose recording failed are kept as they are). In order:
+//  1. must-keep: a decidable value replay cannot rebuild from the values available so far (a non-replayable
+//     producer, a read of external state at an earlier state, or — with a preservation plan that keeps the
+//     dependents of some external storages — a rebuild reading such a storage). Tape order, each found one is made
+//     available at once so later values can be rebuilt from it. Skipped under policy "none" when nobody observes
+//     (every value is kept anyway: the prunes are O(ops) each).
+//  2. the policy: "none" keeps, "full" drops, an op set keeps the outputs of the ops it names (the op that wrote the
+//     bytes the save sees, Tape::bytes_writer), a plan keeps what its mask says when its signature matches the tape's
+//     (else the call runs as "full"). A policy callable that throws keeps the value and is reported.
+//  3. a dropped value that cannot be rebuilt from what is now available (the policy kept less than a rebuild needs)
+//     is kept after all.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tapesac/capture/tape.h"
+#include "tapesac/replay/prune.h"
+
+namespace tapesac::replay {
+
+enum class PolicyKind { kNone, kFull, kSaveOps, kPlan };
+
+/// The plan of one block (policy kPlan): for the block call whose tape has `signature`, keep candidate i iff
+/// keep[i] (candidates in the order BlockTapeView lists them).
+struct BlockPlan {
+  uint64_t signature = 0;
+  std::vector<uint8_t> keep;
+};
+
+/// One saved tensor as the decision sees it: its value (>= 0) and the state of its storage when it was saved.
+struct SavedValue {
+  ValueId value = -1;
+  int32_t state = 0;
+};
+
+struct DecisionInput {
+  const Tape* tape = nullptr;
+  /// Every live saved tensor that the tape produced or registered (duplicates allowed).
+  std::vector<SavedValue> saved;
+  /// Recording failed: every saved value is kept.
+  bool capture_failed = false;
+  PolicyKind policy = PolicyKind::kFull;
+  /// kSaveOps: true when the outputs of an op of this kind are kept. May throw (the value is then kept).
+  std::function<bool(capture::OpKind)> keep_op;
+  /// kPlan: the block's plan, or null (the call runs as "full").
+  const BlockPlan* plan = nullptr;
+  /// Per value: 1 for an external value whose storage the preservation plan keeps the dependents of (empty: none).
+  std::vector<uint8_t> kept_externals;
+  /// Someone reads must_keep (the planner observes): compute it even under policy "none".
+  bool observed = false;
+  /// Compute the tape signature (a plan, an observer or the graph cache needs it).
+  bool want_signature = false;
+};
+
+struct KeepDecision {
+  /// Per value: 1 keep, 0 drop, -1 not saved.
+  std::vector<int8_t> keep;
+  /// Per value: replay holds a live tensor for it (saved externals and every kept value).
+  std::vector<uint8_t> available;
+  /// The decidable values, ascending; must_keep[i] and kept_mask() follow this order.
+  std::vector<ValueId> decidable;
+  std::vector<uint8_t> must_keep;
+  /// The state each decidable value was saved at (indexed by ValueId).
+  std::vector<int32_t> state;
+  uint64_t signature = 0;
+  /// kPlan: the plan matched the tape and was applied.
+  bool planned = false;
+  /// The policy callable threw for some value (kept); its first message.
+  bool policy_failed = false;
+  std::string policy_error;
+
+  /// 1 per decidable value that is kept (the tape observer's view).
+  std::vector<uint8_t> kept_mask() const;
+  /// Marks `v` kept and available (approximation keeps more values after the decision).
+  void force_keep(ValueId v);
+};
+
+/// The decision of Note [Keep or drop]. Pure; O(ops) per decidable value for the rebuildability checks.
+KeepDecision decide_keep(const DecisionInput& in);
+
+/// Values whose rebuild reads a value marked in `seeds` (per value), by forward data flow over the tape: every output
+/// of an op reading a marked value is marked. Over-approximates (an op may not read the bytes).
+std::vector<uint8_t> propagate_taint(const Tape& tape, std::vector<uint8_t> seeds);
+
+/// A 64-bit signature of a block call's tape and candidates: op kinds, flags, data flow, sizes and the candidate
+/// list. Equal signatures mean identical planning problems.
+uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates);
+
+}  // namespace tapesac::replay

@@ -1,0 +1,333 @@
+// A block call's forward side: recording, pack, the keep/drop decision, and release (see block_call.h). The
+// backward side (unpack and replay) is in block_call_replay.cpp.
+#include "tapesac/replay/block_call.h"
+
+#include <algorithm>
+
+#include "tapesac/capture/op_kinds.h"
+#include "tapesac/common/errors.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::kExternal;
+using capture::storage_key;
+using capture::Tape;
+
+int64_t storage_bytes(const at::Tensor& t) { return t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
+
+}  // namespace
+
+BlockCall::BlockCall(std::string name, BlockContext context)
+    : name_(std::move(name)),
+      ctx_(std::move(context)),
+      options_(*ctx_.options),
+      recorder_(capture::RecorderOptions{true, true, ctx_.expected_ops}),
+      contract_(name_, ContractOptions{options_.check_versions, options_.check_bytes}, ctx_.watcher, this) {
+  closed_stats_.name = name_;
+}
+
+BlockCall::~BlockCall() { recorder_.stop(); }
+
+void BlockCall::start_forward() {
+  if (ctx_.watcher) ctx_.watcher->resume();
+  if (ctx_.memory) {
+    ctx_.memory->counter().set_phase(allocator::Phase::kForward);
+    forward_begin_ns_ = ctx_.memory->elapsed_ns();
+  }
+  recorder_.set_listener(this);
+  if (options_.op_timers) {  // device op times (capture/op_timer.h); none: the recorder's CPU clock
+    std::string why;
+    std::unique_ptr<capture::OpTimer> timer = options_.op_timers->make(name_, &why);
+    recorder_.set_op_timer(std::move(timer), std::move(why));
+  }
+  try {
+    recorder_.start();
+  } catch (const std::runtime_error& e) {
+    throw Error(ErrorKind::kGeneric,
+                std::string(e.what()) + ". Only one TapeSAC step can record on a thread at a time; close the other "
+                                        "`sac.step()` first.");
+  }
+}
+
+void BlockCall::on_op_recorded(capture::Recorder& /*recorder*/, capture::OpIndex /*op*/) {
+  if (!pending_.empty()) resolve_pending(false);
+}
+
+void BlockCall::resolve_pending(bool final) {
+  const Tape& tape = recorder_.tape();
+  auto keep = pending_.begin();
+  for (int32_t idx : pending_) {
+    Slot& s = slots_[static_cast<size_t>(idx)];
+    ValueId v = s.pending_impl != nullptr ? recorder_.find_value_of_impl(s.pending_impl) : -1;
+    if (v < 0) v = recorder_.find_value(s.tensor);
+    if (v >= 0) {
+      s.value = v;
+      s.state = tape.state_of(tape.value(v).storage);
+    } else if (!final && recorder_.op_open()) {
+      *keep++ = idx;
+      continue;
+    }
+    // Resolved, or opaque: the tape did not produce it.
+    s.pending = false;
+    s.pending_impl = nullptr;
+    s.pending_ref.reset();
+  }
+  pending_.erase(keep, pending_.end());
+}
+
+int32_t BlockCall::pack(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TAPESAC_INTERNAL_ASSERT(!forward_closed_, "pack after the forward of block ", name_, " closed");
+  Slot s;
+  s.tensor = capture::detached_alias(t);
+  if (t.defined()) s.origin = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+  if (t.defined() && !t.is_inference()) {
+    s.version = t.unsafeGetTensorImpl()->version_counter();
+    s.saved_version = s.version.current_version();
+  }
+  const auto idx = static_cast<int32_t>(slots_.size());
+  if (recorder_.active() && recorder_.op_open()) {
+    // Saved inside an op's autograd kernel: resolved when the op exits, because the op may still write the tensor
+    // (an in-place op that saves its own result, e.g. tanh_) or create it (an op saving its output).
+    s.pending = true;
+    s.pending_impl = t.defined() ? t.unsafeGetTensorImpl() : nullptr;
+    if (t.defined()) s.pending_ref.emplace(t.getIntrusivePtr());
+    pending_.push_back(idx);
+  } else if (const ValueId v = recorder_.find_value(t); v >= 0) {
+    s.value = v;
+    s.state = recorder_.tape().state_of(recorder_.tape().value(v).storage);
+  }
+  slots_.push_back(std::move(s));
+  ++alive_slots_;
+  return idx;
+}
+
+void BlockCall::release(int32_t slot) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (step_closed_ || slot < 0 || static_cast<size_t>(slot) >= slots_.size()) return;
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  if (s.released) return;
+  s.released = true;
+  s.tensor.reset();
+  if (s.dropped) {
+    const ValueId v = s.value;
+    --handles_[v];
+    if (s.last_round != round_ && --remaining_[v] <= 0) cache_.erase(v);
+  }
+  if (--alive_slots_ == 0 && forward_closed_) release_all();
+}
+
+void BlockCall::release_all() noexcept {
+  // No handle is left: nothing of this block call can be unpacked any more.
+  cache_.clear();
+  live_.clear();
+  contract_.clear();
+  available_.clear();
+  remaining_.clear();
+  handles_.clear();
+  recorder_.clear();
+}
+
+void BlockCall::close_forward() {
+  recorder_.stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (forward_closed_) return;
+  forward_closed_ = true;
+  resolve_pending(true);
+  take_recording();
+  KeepDecision d = decide();
+  observe(d);
+  prepare_approx(d);
+  const std::vector<Read> targets = drop(d);
+  trim_live(targets);
+  // The span ends once the dropped tensors are freed: the planner's peak model reads the forward's windows.
+  if (ctx_.memory) {
+    ctx_.memory->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, ctx_.memory->elapsed_ns()});
+  }
+  if (alive_slots_ == 0) release_all();
+}
+
+void BlockCall::take_recording() {
+  const Tape& tape = recorder_.tape();
+  BlockStats& st = closed_stats_;
+  st.ops_recorded = static_cast<int64_t>(tape.ops().size());
+  st.saved_tensors = static_cast<int64_t>(slots_.size());
+  st.capture_error = recorder_.error();
+  st.op_timing = capture::op_timing_name(tape.op_timing());
+  st.op_timing_note = recorder_.op_timing_note();
+  live_ = recorder_.take_live();
+  live_.resize(tape.values().size());
+}
+
+KeepDecision BlockCall::decide() {
+  const Tape& tape = recorder_.tape();
+  DecisionInput in;
+  in.tape = &tape;
+  for (const Slot& s : slots_) {
+    if (s.value >= 0 && !s.released) in.saved.push_back(SavedValue{s.value, s.state});
+  }
+  in.capture_failed = !closed_stats_.capture_error.empty();
+  in.policy = options_.policy;
+  if (in.policy == PolicyKind::kSaveOps) {
+    in.keep_op = [this](capture::OpKind k) {
+      SaveOpCache& cache = *ctx_.save_cache;
+      if (cache.size() <= static_cast<size_t>(k)) cache.resize(static_cast<size_t>(k) + 1, -1);
+      int8_t& answer = cache[static_cast<size_t>(k)];
+      if (answer < 0) answer = options_.save_op && options_.save_op(capture::op_kind_name(k)) ? 1 : 0;
+      return answer == 1;
+    };
+  }
+  if (in.policy == PolicyKind::kPlan && ctx_.plans != nullptr) {
+    auto it = ctx_.plans->find(name_);
+    if (it != ctx_.plans->end()) in.plan = &it->second;
+  }
+  if (ctx_.keep_dependents != nullptr && !ctx_.keep_dependents->empty()) {
+    in.kept_externals.assign(tape.values().size(), 0);
+    for (size_t v = 0; v < live_.size() && v < in.kept_externals.size(); ++v) {
+      if (live_[v].defined() && tape.value(static_cast<ValueId>(v)).producer == kExternal &&
+          ctx_.keep_dependents->count(storage_key(live_[v]))) {
+        in.kept_externals[v] = 1;
+      }
+    }
+  }
+  in.observed = ctx_.observer != nullptr && static_cast<bool>(*ctx_.observer);
+  in.want_signature = in.observed || ctx_.graphs != nullptr;
+  KeepDecision d = decide_keep(in);
+  signature_ = d.signature;
+  closed_stats_.planned = d.planned;
+  if (d.policy_failed && closed_stats_.capture_error.empty()) {
+    closed_stats_.capture_error = "the policy callable raised; kept everything";
+  }
+  return d;
+}
+
+void BlockCall::observe(const KeepDecision& d) {
+  if (ctx_.observer == nullptr || !*ctx_.observer) return;
+  const std::vector<uint8_t> kept = d.kept_mask();
+  try {
+    (*ctx_.observer)(BlockTapeView{name_, d.signature, recorder_.tape(), d.decidable, d.must_keep, kept});
+  } catch (...) {
+    // Planning input only: a failure to observe (out of memory) must not undo the block's drops; the planner
+    // sees fewer calls and re-plans.
+  }
+}
+
+void BlockCall::prepare_approx(KeepDecision& d) {
+  if (ctx_.approx == nullptr) return;
+  // Before the drop: importance is measured on the tensors the forward saved.
+  std::vector<const at::Tensor*> tensor_of(recorder_.tape().values().size(), nullptr);
+  for (const Slot& s : slots_) {
+    if (s.value >= 0 && !s.released && tensor_of[static_cast<size_t>(s.value)] == nullptr) {
+      tensor_of[static_cast<size_t>(s.value)] = &s.tensor;
+    }
+  }
+  std::vector<ValueId> keep;
+  try {
+    approx_ = ctx_.approx->prepare(ApproxInput{recorder_.tape(), recorder_.payloads(), d.keep, tensor_of, d.state},
+                                   keep, closed_stats_.approx);
+  } catch (...) {
+    approx_.reset();  // an optimisation only: on failure (out of memory) this call replays exactly
+    keep.clear();
+  }
+  for (ValueId v : keep) d.force_keep(v);  // their replay would read an approximated component's output
+}
+
+std::vector<Read> BlockCall::drop(const KeepDecision& d) {
+  // Kept values are what replay starts from (with the externals); dropping releases the slots' references. Bytes
+  // are counted by unique storage (a storage that a kept tensor still holds is not freed by dropping another view).
+  available_ = d.available;
+  BlockStats& st = closed_stats_;
+  std::unordered_set<const void*> kept_storages, opaque_storages, dropped_storages;
+  std::vector<uint8_t> served(live_.size(), 0);  // a kept value is read from its first slot's tensor
+  for (Slot& s : slots_) {
+    if (s.released || (s.value >= 0 && d.keep[static_cast<size_t>(s.value)] == 0)) continue;
+    if (s.value >= 0 && !served[static_cast<size_t>(s.value)]) {
+      served[static_cast<size_t>(s.value)] = 1;
+      live_[static_cast<size_t>(s.value)] = s.tensor;
+    }
+    const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
+    const bool counted = key != nullptr && ctx_.param_storages->count(key) == 0;
+    ++st.kept_tensors;
+    if (s.value < 0) {
+      ++st.opaque_tensors;
+      if (counted && opaque_storages.insert(key).second) st.opaque_bytes += storage_bytes(s.tensor);
+    }
+    if (counted && kept_storages.insert(key).second) st.kept_bytes += storage_bytes(s.tensor);
+  }
+  std::vector<Read> targets;
+  for (Slot& s : slots_) {
+    if (s.released || s.value < 0 || d.keep[static_cast<size_t>(s.value)] != 0) continue;
+    ++st.dropped_tensors;
+    s.dropped = true;
+    const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
+    if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
+      st.dropped_bytes += storage_bytes(s.tensor);
+    }
+    if (handles_[s.value]++ == 0) {
+      targets.push_back(Read{s.value, s.state});
+      contract_.remember_bytes(s.value, s.tensor);
+    }
+    s.tensor.reset();
+  }
+  remaining_ = handles_;
+  value_state_.clear();
+  for (const Read& r : targets) value_state_[r.value] = r.state;
+  return targets;
+}
+
+void BlockCall::trim_live(const std::vector<Read>& targets) {
+  // Keep only the live tensors that replay will read.
+  const Tape& tape = recorder_.tape();
+  std::vector<uint8_t> needed(live_.size(), 0);
+  if (!targets.empty()) {
+    const PruneResult all = prune(tape, targets, available_);
+    for (capture::OpIndex i : all.ops) {
+      for (const capture::ArgRef& a : tape.op(i).inputs) {
+        if (classify_read(tape, available_, a.value, a.state, a.meta_only) == ReadSource::kLive) {
+          needed[static_cast<size_t>(a.value)] = 1;
+        }
+      }
+    }
+  }
+  for (size_t v = 0; v < live_.size(); ++v) {
+    if (!needed[v]) live_[v].reset();
+  }
+  contract_.watch_live(live_, recorder_.take_origins());
+}
+
+void BlockCall::close_step() noexcept {
+  recorder_.stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_stats_.replays = replays_;
+  closed_stats_.ops_replayed = replay_stats_.ops;
+  closed_stats_.replay_ns = replay_stats_.ns;
+  step_closed_ = true;
+  for (Slot& s : slots_) s.tensor.reset();
+  cache_.clear();
+  live_.clear();
+  approx_.reset();
+  recorder_.clear();
+}
+
+BlockStats BlockCall::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  BlockStats st = closed_stats_;
+  st.replays = replays_;
+  st.ops_replayed = replay_stats_.ops;
+  st.replay_ns = replay_stats_.ns;
+  for (size_t i = 0; i < graph_op_ns_.size(); ++i) {  // the ops whose nodes ran in a timed launch
+    if (graph_op_ns_[i] <= 0) continue;
+    st.graph_op_ns.push_back(OpTime{static_cast<int64_t>(i), i < graph_op_names_.size() ? graph_op_names_[i] : "",
+                                    graph_op_ns_[i]});
+  }
+  return st;
+}
+
+std::vector<std::string> BlockCall::op_names() const {
+  std::vector<std::string> names;
+  for (const capture::OpRecord& op : recorder_.tape().ops()) names.push_back(capture::op_kind_name(op.kind));
+  return names;
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,270 @@
+// A block call's backward side: unpack, the replay of dropped values (graph or eager, under the memory limit and the
+// replay contract), and its accounting (see block_call.h).
+#include <algorithm>
+#include <optional>
+
+#include "tapesac/capture/op_kinds.h"
+#include "tapesac/common/clock.h"
+#include "tapesac/common/errors.h"
+#include "tapesac/replay/block_call.h"
+
+namespace tapesac::replay {
+
+using capture::Tape;
+
+at::Tensor BlockCall::unpack(int32_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TAPESAC_CHECK(!step_closed_, kGeneric, "tapesac: a tensor saved in block '", name_,
+                "' was unpacked after its step ended. Run the backward inside `with sac.step():` (forward and "
+                "backward of one step both belong inside the `with` block).");
+  TAPESAC_CHECK(slot >= 0 && static_cast<size_t>(slot) < slots_.size(), kGeneric, "tapesac: unknown saved slot ", slot);
+  const Slot& s = slots_[static_cast<size_t>(slot)];
+  TAPESAC_INTERNAL_ASSERT(!s.released, "slot ", slot, " of block ", name_, " unpacked after its handle was freed");
+  begin_backward();
+  contract_.check_saved(s.version, s.saved_version, slot, s.value);
+  if (!s.dropped) return serve_kept(slot);
+  const ValueId v = s.value;
+  if (!cache_.count(v)) replay_for(v);
+  auto it = cache_.find(v);
+  TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
+  at::Tensor t = it->second;
+  slots_[static_cast<size_t>(slot)].last_round = round_;
+  if (--remaining_[v] <= 0) cache_.erase(it);
+  return t;
+}
+
+void BlockCall::begin_backward() {
+  // The first unpack of the step marks the start of the backward on the memory timeline.
+  if (ctx_.memory && ctx_.memory->counter().phase() == allocator::Phase::kForward) {
+    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);
+    if (ctx_.watcher) ctx_.watcher->pause();
+  }
+}
+
+at::Tensor BlockCall::serve_kept(int32_t slot) {
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
+  if (!s.replaced_reported) {
+    const std::string replaced = ReplayContract::replaced_storage(s.origin, s.tensor);
+    if (!replaced.empty()) {
+      s.replaced_reported = true;
+      record(s.value, "recovered", 0, 0, "saved tensor #" + std::to_string(slot) + ": " + replaced);
+    }
+  }
+  return s.tensor;
+}
+
+std::vector<Read> BlockCall::remaining_targets() {
+  std::vector<Read> targets;
+  for (const auto& [value, count] : remaining_) {
+    if (count > 0 && !cache_.count(value)) targets.push_back(Read{value, value_state_.at(value)});
+  }
+  std::sort(targets.begin(), targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
+  return targets;
+}
+
+void BlockCall::replay_for(ValueId wanted) {
+  if (remaining_[wanted] <= 0) {  // a new backward over the same graph (retain_graph=True)
+    ++round_;
+    remaining_ = handles_;
+  }
+  std::vector<Read> targets = remaining_targets();
+  PruneResult plan = prune(recorder_.tape(), targets, available_);
+  // Declared before the replay's tensors: the step's bytes are swapped back in only after the replay ends.
+  ResolvedLive resolved = contract_.resolve_live(recorder_.tape(), available_, plan, live_, wanted);
+  std::vector<at::Tensor> live_with_subs;
+  if (!resolved.subs.empty()) {
+    live_with_subs = live_;
+    for (auto& [value, tensor] : resolved.subs) live_with_subs[static_cast<size_t>(value)] = std::move(tensor);
+  }
+  allocator::MemoryCounter* counter = ctx_.memory ? &ctx_.memory->counter() : nullptr;
+  PhaseScope phase(counter, allocator::Phase::kReplay);
+  const int64_t begin_ns = ctx_.memory ? ctx_.memory->elapsed_ns() : 0;
+  const int64_t window_start = counter ? counter->begin_window() : 0;
+  const int64_t allocated_before = counter ? counter->total().allocated : 0;
+  const int64_t ns_before = replay_stats_.ns;
+  auto out = run_replay(targets, plan, live_with_subs.empty() ? live_ : live_with_subs, wanted);
+  if (approx_) approx_->finish(out);
+  live_with_subs.clear();
+  resolved.swaps.clear();  // the step's bytes back in the storages the replay read
+  account_replay(window_start, allocated_before, begin_ns);
+  keep_rebuilt(out, resolved.recovered, replay_stats_.ns - ns_before);
+}
+
+std::unordered_map<ValueId, at::Tensor> BlockCall::run_replay(std::vector<Read>& targets, PruneResult& plan,
+                                                              const std::vector<at::Tensor>& live, ValueId wanted) {
+  // A graph launch allocates nothing (its memory is static), so the limit is applied to eager replays only.
+  // The graph path runs before the eager replay's arena routing: a capture routes its own allocations into the
+  // arena (the graph device's pool), and the allocator refuses a second routing to a pool already routed.
+  const common::Stopwatch graph_clock;
+  auto out = replay_graph(targets, plan, live);
+  if (!out.empty()) {
+    replay_stats_.ns += graph_clock.elapsed_ns();
+    return out;
+  }
+  std::unique_ptr<capture::PoolRouting> arena;
+  if (options_.has_arena() && ctx_.memory && ctx_.memory->device() != nullptr) {
+    arena = ctx_.memory->device()->route(options_.arena_device, options_.arena_pool_id);
+  }
+  targets = limit_targets(std::move(targets), Read{wanted, value_state_.at(wanted)}, plan);
+  ReplaySource src;
+  src.tape = &recorder_.tape();
+  src.payloads = &recorder_.payloads();
+  src.live = &live;
+  src.available = &available_;
+  ReplayOptions opts;
+  opts.check_metadata = options_.check_metadata;
+  opts.op_override = approx_.get();
+  return replay(src, targets, opts, &replay_stats_);
+}
+
+void BlockCall::account_replay(int64_t window_start, int64_t allocated_before, int64_t begin_ns) {
+  if (!ctx_.memory) return;
+  allocator::MemoryCounter& counter = ctx_.memory->counter();
+  const int64_t ws = counter.window_peak() - window_start;
+  closed_stats_.replay_peak_bytes = std::max(closed_stats_.replay_peak_bytes, ws);
+  closed_stats_.replayed_bytes += counter.total().allocated - allocated_before;
+  ctx_.memory->arena().on_replay(name_, ws);
+  ctx_.memory->add_span(TimelineSpan{"replay", name_, begin_ns, ctx_.memory->elapsed_ns()});
+}
+
+void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const std::string& recovered,
+                             int64_t replay_ns) {
+  for (auto& [value, tensor] : out) {
+    try {
+      contract_.verify_bytes(value, tensor, replay_ns);
+    } catch (...) {
+      ++replays_;
+      throw;
+    }
+    const int64_t nbytes = static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+    const bool approximated = approx_ && approx_->approximates(value);
+    record(value, approximated ? "approximated" : recovered.empty() ? "match" : "recovered", nbytes, replay_ns,
+           recovered);
+    cache_.emplace(value, std::move(tensor));
+  }
+  ++replays_;
+}
+
+void BlockCall::record(ValueId v, const std::string& status, int64_t bytes, int64_t ns, std::string detail) const {
+  if (!ctx_.memory) return;
+  const Tape& tape = recorder_.tape();
+  ReplayRecord r;
+  r.block = name_;
+  r.value = v;
+  if (v >= 0 && static_cast<size_t>(v) < tape.values().size()) {
+    const auto it = value_state_.find(v);
+    const int32_t state = it != value_state_.end() ? it->second : tape.value(v).state;
+    const capture::OpIndex p = tape.bytes_writer(v, state);
+    r.op = p >= 0 ? capture::op_kind_name(tape.op(p).kind) : std::string("external");
+  }
+  r.status = status;
+  r.bytes = bytes;
+  r.ns = ns;
+  r.replay = replays_;
+  r.detail = std::move(detail);
+  ctx_.memory->add_record(std::move(r));
+}
+
+std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan) {
+  const Tape& tape = recorder_.tape();
+  const int64_t whole = predict_working_set(tape, plan, targets);
+  closed_stats_.predicted_replay_bytes = std::max(closed_stats_.predicted_replay_bytes, whole);
+  const int64_t limit = options_.memory_limit;
+  if (limit <= 0 || !ctx_.memory) return targets;
+  const int64_t in_use = ctx_.memory->in_use(live_cuda_device());
+  int64_t piece = whole;
+  std::vector<Read> piece_targets{wanted};
+  PruneResult piece_plan;
+  if (targets.size() > 1 && in_use + whole > limit) {
+    piece_plan = prune(tape, piece_targets, available_);
+    piece = predict_working_set(tape, piece_plan, piece_targets);
+  }
+  const allocator::LimitDecision d = allocator::decide(limit, in_use, whole, piece);
+  switch (d.verdict) {
+    case allocator::LimitVerdict::kWhole:
+      return targets;
+    case allocator::LimitVerdict::kPieces:
+      ++closed_stats_.replay_pieces;
+      ctx_.memory->count_replay_piece();
+      plan = std::move(piece_plan);
+      return piece_targets;
+    case allocator::LimitVerdict::kReject:
+      break;
+  }
+  throw Error(ErrorKind::kMemoryLimit, allocator::rejection_message(d, name_, "the backward (replay)"));
+}
+
+int BlockCall::live_cuda_device() const {
+  for (const at::Tensor& t : live_) {
+    if (t.defined()) return t.is_cuda() ? t.get_device() : -1;
+  }
+  return -1;
+}
+
+std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vector<Read>& targets,
+                                                               const PruneResult& plan,
+                                                               const std::vector<at::Tensor>& live) {
+  if (ctx_.graphs == nullptr) return {};
+  BlockStats& st = closed_stats_;
+  if (approx_) {  // approximate replays run their own kernels, eagerly
+    ++st.graph_fallbacks;
+    st.graph_fallback = "approx";
+    st.graph_detail = "approximate rematerialization replays eagerly";
+    return {};
+  }
+  GraphCall call;
+  call.tape = &recorder_.tape();
+  call.payloads = &recorder_.payloads();
+  call.live = &live;
+  call.available = &available_;
+  call.signature = signature_;
+  call.memory_limit = std::max(options_.memory_limit, options_.graph_memory_limit);
+  if (call.memory_limit > 0 && ctx_.memory) {
+    // The graph's static memory stays for the rest of the step and every later one: it must fit on top of the
+    // step's peak so far and of the previous step's measured peak, not only of what is in use now.
+    const int dev = live_cuda_device();
+    call.in_use = std::max(ctx_.memory->in_use(dev), ctx_.memory->peak_so_far(dev));
+    call.last_peak = ctx_.last_peak;
+  }
+  GraphReplayOutcome outcome;
+  auto out = ctx_.graphs->replay(call, targets, plan, &outcome);
+  count_graph_outcome(outcome, plan);
+  return out;
+}
+
+void BlockCall::count_graph_outcome(const GraphReplayOutcome& outcome, const PruneResult& plan) {
+  BlockStats& st = closed_stats_;
+  if (outcome.captured) ++st.graph_captures;
+  if (!outcome.launched) {
+    if (outcome.warmup) {
+      ++st.graph_warmups;
+    } else {
+      ++st.graph_fallbacks;
+      st.graph_fallback = to_string(outcome.reason);
+      st.graph_detail = outcome.detail;
+    }
+    return;
+  }
+  ++st.graph_replays;
+  st.graph_staged_bytes += outcome.staged_bytes;
+  st.graph_nodes_enabled = static_cast<int64_t>(outcome.enabled_nodes);
+  st.graph_nodes_disabled = static_cast<int64_t>(outcome.disabled_nodes);
+  if (outcome.timed) {
+    ++st.graph_timed_launches;
+    st.graph_timing = capture::op_timing_name(outcome.timing);
+    if (graph_op_ns_.size() < outcome.op_ns.size()) graph_op_ns_.resize(outcome.op_ns.size(), 0);
+    if (graph_op_names_.empty()) graph_op_names_ = op_names();
+    for (size_t i = 0; i < outcome.op_ns.size(); ++i) {
+      graph_op_ns_[i] += outcome.op_ns[i];
+      st.graph_device_ns += outcome.op_ns[i];
+    }
+    st.graph_unattributed_ns += outcome.unattributed_ns;
+  } else if (!outcome.timing_note.empty()) {
+    st.graph_timing_note = outcome.timing_note;
+  }
+  replay_stats_.ops += static_cast<int64_t>(plan.ops.size());
+  for (capture::OpIndex i : plan.ops) ++replay_stats_.ops_by_kind[recorder_.tape().op(i).kind];
+}
+
+}  // namespace tapesac::replay

@@ -1,0 +1,158 @@
+// The keep/drop decision (see decide.h, Note [Keep or drop]).
+#include "tapesac/replay/decide.h"
+
+#include <algorithm>
+
+#include "tapesac/common/fnv.h"
+
+namespace tapesac::replay {
+namespace {
+
+using capture::kExternal;
+
+bool rebuildable(const Tape& tape, ValueId v, int32_t state, const std::vector<uint8_t>& available) {
+  return prune(tape, {Read{v, state}}, available).ok;
+}
+
+// Pass 1: values nobody decides on (recording failed, external) are kept; the rest are the decidable values.
+void split_decidable(const DecisionInput& in, KeepDecision& d) {
+  const Tape& tape = *in.tape;
+  for (const SavedValue& s : in.saved) {
+    const auto v = static_cast<size_t>(s.value);
+    d.state[v] = s.state;  // a value saved twice is decided at its last save's state
+    if (d.keep[v] >= 0) continue;
+    const capture::ValueInfo& info = tape.value(s.value);
+    if (in.capture_failed || info.producer == kExternal || tape.storage(info.storage).external) {
+      d.keep[v] = 1;
+      d.available[v] = 1;
+    } else {
+      d.keep[v] = 2;  // undecided
+      d.decidable.push_back(s.value);
+    }
+  }
+  std::sort(d.decidable.begin(), d.decidable.end());
+}
+
+// Step 1 of the Note: values that cannot be rebuilt are kept, in tape order.
+void find_must_keep(const DecisionInput& in, KeepDecision& d) {
+  d.must_keep.assign(d.decidable.size(), 0);
+  if (in.policy == PolicyKind::kNone && !in.observed) return;
+  std::vector<uint8_t> tainted;
+  if (!in.kept_externals.empty()) tainted = propagate_taint(*in.tape, in.kept_externals);
+  for (size_t i = 0; i < d.decidable.size(); ++i) {
+    const ValueId v = d.decidable[i];
+    const bool reads_kept_storage = !tainted.empty() && tainted[static_cast<size_t>(v)];
+    if (!reads_kept_storage && rebuildable(*in.tape, v, d.state[static_cast<size_t>(v)], d.available)) continue;
+    d.must_keep[i] = 1;
+    d.available[static_cast<size_t>(v)] = 1;
+  }
+}
+
+bool policy_keeps(const DecisionInput& in, KeepDecision& d, size_t i, bool plan_applies) {
+  const ValueId v = d.decidable[i];
+  switch (in.policy) {
+    case PolicyKind::kNone:
+      return true;
+    case PolicyKind::kFull:
+      return false;
+    case PolicyKind::kPlan:
+      return plan_applies && in.plan->keep[i] != 0;  // no matching plan: run as "full" (the planner re-plans)
+    case PolicyKind::kSaveOps:
+      try {
+        const capture::OpIndex p = in.tape->bytes_writer(v, d.state[static_cast<size_t>(v)]);
+        return p >= 0 && in.keep_op && in.keep_op(in.tape->op(p).kind);
+      } catch (const std::exception& e) {
+        if (!d.policy_failed) d.policy_error = e.what();
+        d.policy_failed = true;  // the policy callable raised: keep, and say so in the stats
+        return true;
+      } catch (...) {
+        d.policy_failed = true;
+        return true;
+      }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<uint8_t> KeepDecision::kept_mask() const {
+  std::vector<uint8_t> kept(decidable.size(), 0);
+  for (size_t i = 0; i < decidable.size(); ++i) kept[i] = keep[static_cast<size_t>(decidable[i])] == 1 ? 1 : 0;
+  return kept;
+}
+
+void KeepDecision::force_keep(ValueId v) {
+  keep[static_cast<size_t>(v)] = 1;
+  available[static_cast<size_t>(v)] = 1;
+}
+
+KeepDecision decide_keep(const DecisionInput& in) {
+  const Tape& tape = *in.tape;
+  const size_t n = tape.values().size();
+  KeepDecision d;
+  d.keep.assign(n, -1);
+  d.available.assign(n, 0);
+  d.state.assign(n, 0);
+  split_decidable(in, d);
+  find_must_keep(in, d);
+  if (in.want_signature || in.policy == PolicyKind::kPlan) d.signature = tape_signature(tape, d.decidable);
+  const bool plan_applies = in.policy == PolicyKind::kPlan && in.plan != nullptr &&
+                            in.plan->signature == d.signature && in.plan->keep.size() == d.decidable.size();
+  d.planned = plan_applies;
+  // Step 2: the policy.
+  std::vector<ValueId> dropped;
+  for (size_t i = 0; i < d.decidable.size(); ++i) {
+    const ValueId v = d.decidable[i];
+    const bool keep = d.must_keep[i] != 0 || policy_keeps(in, d, i, plan_applies);
+    d.keep[static_cast<size_t>(v)] = keep ? 1 : 0;
+    if (keep) {
+      d.available[static_cast<size_t>(v)] = 1;
+    } else {
+      dropped.push_back(v);
+    }
+  }
+  // Step 3: a dropped value the kept ones cannot rebuild is kept after all.
+  for (ValueId v : dropped) {
+    if (!rebuildable(tape, v, d.state[static_cast<size_t>(v)], d.available)) d.force_keep(v);
+  }
+  return d;
+}
+
+std::vector<uint8_t> propagate_taint(const Tape& tape, std::vector<uint8_t> tainted) {
+  tainted.resize(tape.values().size(), 0);
+  for (const capture::OpRecord& op : tape.ops()) {
+    bool in = false;
+    for (const capture::ArgRef& a : op.inputs) in = in || tainted[static_cast<size_t>(a.value)];
+    if (!in) continue;
+    for (ValueId o : op.outputs) {
+      if (o >= 0) tainted[static_cast<size_t>(o)] = 1;
+    }
+  }
+  return tainted;
+}
+
+uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates) {
+  // FNV-1a over the structure; sizes included, durations and addresses not.
+  common::Fnv64 fnv;
+  fnv.mix(tape.ops().size());
+  fnv.mix(tape.values().size());
+  for (const capture::OpRecord& op : tape.ops()) {
+    fnv.mix(static_cast<uint64_t>(op.kind));
+    fnv.mix(op.flags);
+    for (const capture::ArgRef& a : op.inputs) {
+      fnv.mix(static_cast<uint64_t>(a.value));
+      fnv.mix(static_cast<uint64_t>(a.state));
+    }
+    for (ValueId v : op.outputs) fnv.mix(static_cast<uint64_t>(v));
+  }
+  for (const capture::ValueInfo& v : tape.values()) {
+    fnv.mix(static_cast<uint64_t>(v.storage));
+    fnv.mix(static_cast<uint64_t>(v.meta.nbytes));
+  }
+  for (const capture::StorageInfo& st : tape.storages()) fnv.mix(static_cast<uint64_t>(st.nbytes));
+  fnv.mix(candidates.size());
+  for (ValueId v : candidates) fnv.mix(static_cast<uint64_t>(v));
+  return fnv.value();
+}
+
+}  // namespace tapesac::replay

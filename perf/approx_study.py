@@ -22,9 +22,7 @@ import copy
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import tapesac  # noqa: E402
+from tapesac.bench.harness import environment  # noqa: E402
 from tapesac.data import AustenData  # noqa: E402
 from tapesac.models import param_count, tiny_llama  # noqa: E402
 
@@ -201,16 +200,6 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['config']:<22}{r['val_ppl_mean']:>9.3f} ± {r['val_ppl_std']:.3f}{d:>20}{fl:>17}{ratio:>9}"
                      f"{r['median_step_ms']:>9.1f}{r['units']:>11}{r['heads']:>7}{r['kept_bytes'] / 2**20:>9.2f}")
     return "\n".join(lines)
-
-
-def environment() -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = ""
-    return dict(git_sha=sha, torch=torch.__version__, python=platform.python_version(), device="cpu",
-                threads=torch.get_num_threads(), machine=platform.machine(), cpus=os.cpu_count())
 
 
 def main(argv: list[str] | None = None) -> int:

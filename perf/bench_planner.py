@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import tapesac  # noqa: E402
+from tapesac.bench.harness import environment  # noqa: E402
 from tapesac.models import tiny_llama, tiny_qwen3  # noqa: E402
 
 
@@ -81,11 +81,10 @@ def main() -> None:
               f"{'' if row['every_step_under_limit'] else '  OVER THE LIMIT'}")
         sac.close()
     if args.json:
-        env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-               "model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, **shape,
-               "none_peak_bytes": hi, "full_peak_bytes": lo}
+        config = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, **shape,
+                  "none_peak_bytes": hi, "full_peak_bytes": lo}
         with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=2)
+            json.dump({"environment": environment(), "config": config, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tapesac
+from tapesac.bench.harness import environment
 
 
 class BankBlock(nn.Module):
@@ -89,7 +89,6 @@ def make_step(kind: str, write_rows: int, batch: int) -> Callable[[Net, torch.Te
 
 
 def run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
     d, layers = args.hidden, args.layers
     rows = args.bank_rows if kind == "bank" else args.queue_rows
     base = Net(kind, d, layers, rows)
@@ -198,13 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     results = {
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "device": "cpu",
-        "threads": args.threads,
+        "environment": environment(),
         "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
         "args": vars(args),
         "workloads": [run(args, k) for k in args.workloads.split(",")],

@@ -26,9 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import tapesac  # noqa: E402
-from bench_step import load_bench  # noqa: E402  (this checkout's python/tapesac/bench.py)
-
-bench = load_bench()
+from tapesac.bench import checkpointed_blocks  # noqa: E402
+from tapesac.bench.harness import environment  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -59,7 +58,7 @@ def run(model: torch.nn.Module, ids: torch.Tensor, mode: str):
                 loss.backward()
     else:
         # checkpoint: every decoder layer's forward runs under torch.utils.checkpoint (non-reentrant) while open.
-        region = bench.checkpointed_blocks(list(model.model.layers)) if mode == "checkpoint" else nullcontext()
+        region = checkpointed_blocks(list(model.model.layers)) if mode == "checkpoint" else nullcontext()
         with region:
             loss = model(input_ids=ids, labels=ids).loss
             with flops, ops:
@@ -83,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("none", "checkpoint", "tapesac"):
         results[mode] = run(copy.deepcopy(base), ids, mode)
     ref_loss, ref_grads, ref_ops, ref_flops = results["none"]
-    out = {"model": f"Qwen3 tiny L{args.layers} H{args.hidden}", "batch": args.batch, "seq": args.seq}
+    out = {"environment": environment(), "model": f"Qwen3 tiny L{args.layers} H{args.hidden}", "batch": args.batch,
+           "seq": args.seq}
     print(f"{out['model']}, batch {args.batch} x seq {args.seq}: recompute during backward (beyond no checkpointing)")
     print(f"{'variant':<12}{'exact':>7}{'recompute ops':>15}{'recompute GFLOP':>17}")
     for mode in ("checkpoint", "tapesac"):

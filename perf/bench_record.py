@@ -24,20 +24,19 @@
 #   over rounds of (t_variant - t_plain) / ops with its IQR, in ns/op; the difference of the minima per op
 #   (robust when other processes add noise); the fixed cost of an empty `with sac.step(): pass`, and the
 #   net ns/op with that fixed cost subtracted.
-# - `--json PATH` writes all numbers with the environment (git sha, torch, CPU model, threads, date);
+# - `--json PATH` writes all numbers with the environment (tapesac.bench.harness.environment: provenance, torch,
+#   CPU model, threads, date);
 #   `--smoke` runs few rounds (< 20 s). Exit status 1 when a variant fails validation.
 from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._python_dispatch
@@ -45,21 +44,20 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _import_tapesac():
+try:
+    import tapesac
+except ImportError:
+    # Running from a source checkout whose extension was built in place.
+    sys.path.insert(0, str(REPO / "python"))
     try:
         import tapesac
-    except ImportError:
-        # Running from a source checkout whose extension was built in place.
-        sys.path.insert(0, str(REPO / "python"))
-        try:
-            import tapesac
-        except ImportError as e:
-            raise SystemExit(
-                f"bench_record: cannot import tapesac ({e}); expected the package installed "
-                "(e.g. `pip install -e .` at the repository root) or built in place under python/"
-            ) from None
-    return tapesac
+    except ImportError as e:
+        raise SystemExit(
+            f"bench_record: cannot import tapesac ({e}); expected the package installed "
+            "(e.g. `pip install -e .` at the repository root) or built in place under python/"
+        ) from None
+from tapesac.bench import harness  # noqa: E402
+from tapesac.bench.measure import bits_equal  # noqa: E402
 
 
 class SmallOps(nn.Module):
@@ -130,7 +128,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def make_variants(tapesac, mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, dict[str, Any]]:
+def make_variants(mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, dict[str, Any]]:
     """name -> {"fn": zero-arg callable running one forward, "sac": TapeSAC or None, "mod": module}."""
     out: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -175,37 +173,9 @@ def make_variants(tapesac, mod: nn.Module, x: torch.Tensor, names: list[str]) ->
     return out
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
-
-
-def _sample(fn: Callable[[], Any], inner: int) -> float:
-    """Mean seconds per call over `inner` calls."""
-    t0 = time.perf_counter_ns()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter_ns() - t0) / inner * 1e-9
-
-
-def _q(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if len(s) == 1:
-        return s[0]
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "q1": _q(xs, 0.25), "q3": _q(xs, 0.75), "iqr": _q(xs, 0.75) - _q(xs, 0.25),
-            "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, Any]:
+def bench_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
     mod, x, desc = build_workload(name, args)
-    variants = make_variants(tapesac, mod, x, args.variants)
+    variants = make_variants(mod, x, args.variants)
     res: dict[str, Any] = {"workload": name, "description": desc, "variants": {}, "errors": {}}
 
     # Validate (and warm the code paths once) before timing; a failing variant is reported and not timed.
@@ -217,7 +187,7 @@ def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, An
             res["errors"][vname] = f"{type(e).__name__}: {e}"
             del variants[vname]
             continue
-        if not _bits_equal(y, ref):
+        if not bits_equal(y, ref):
             res["errors"][vname] = "output differs from plain (expected bitwise equal)"
             del variants[vname]
 
@@ -251,12 +221,11 @@ def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, An
             v["fn"]()
     plain = variants["plain"]["fn"]
     inner = 1
-    while min(_sample(plain, inner) for _ in range(3)) * inner < args.min_sample_ms * 1e-3 and inner < 1 << 20:
+    while min(harness.timed(plain, inner) for _ in range(3)) * inner < args.min_sample_ms * 1e-3 and inner < 1 << 20:
         inner *= 2
     res["inner"] = inner
 
     names = list(variants)
-    samples: dict[str, list[float]] = {n: [] for n in names}
     empty_steps: dict[str, list[float]] = {}
     for n in names:
         sac = variants[n]["sac"]
@@ -264,30 +233,17 @@ def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, An
             def empty(sac=sac):
                 with sac.step():
                     pass
-            empty_steps[n] = [_sample(empty, 200) for _ in range(5)]
-    gc.collect()
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        for r in range(args.warmup + args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for n in order:
-                t = _sample(variants[n]["fn"], inner)
-                if r >= args.warmup:
-                    samples[n].append(t)
-            if gc_was:
-                gc.collect()  # outside the timed samples
-    finally:
-        if gc_was:
-            gc.enable()
+            empty_steps[n] = [harness.timed(empty, 200) for _ in range(5)]
+    samples = harness.interleaved_rounds(names, lambda n: harness.timed(variants[n]["fn"], inner),
+                                         rounds=args.rounds, warmup=args.warmup)
 
     for n in names:
-        v = {"us_per_forward": {k: (val * 1e6 if k != "n" else val) for k, val in _stats(samples[n]).items()}}
+        v = {"us_per_forward": harness.stats(samples[n], scale=1e6)}
         if n != "plain":
             denom = ops["py_mode_ops"] if n == "py_mode" else n_ops
             if denom:
                 per_op = [(t - p) / denom * 1e9 for t, p in zip(samples[n], samples["plain"])]  # paired by round
-                v["overhead_ns_per_op"] = _stats(per_op)
+                v["overhead_ns_per_op"] = harness.stats(per_op)
                 # Noise from other processes only adds time, so the difference of minima is a robust second view.
                 v["overhead_ns_per_op_min"] = (min(samples[n]) - min(samples["plain"])) / denom * 1e9
                 v["ops_denominator"] = denom
@@ -302,12 +258,6 @@ def bench_workload(tapesac, name: str, args: argparse.Namespace) -> dict[str, An
             v["sac"].close()
     return res
 
-
-def environment() -> dict[str, Any]:
-    """The environment record shared with the benchmark suite (git commit, versions, CPU, threads, date)."""
-    from tapesac.bench import environment as suite_environment
-
-    return suite_environment()
 
 def print_table(results: list[dict[str, Any]]) -> None:
     for res in results:
@@ -361,12 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    tapesac = _import_tapesac()
-    env = environment()
-    print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, git {env['git_commit'] or 'none'}"
-          f"{' (dirty)' if env['git_dirty'] else ''}; {args.rounds} rounds after {args.warmup} warm-up")
+    env = harness.environment()
+    print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, "
+          f"{harness.describe_provenance(env)}; {args.rounds} rounds after {args.warmup} warm-up")
     t0 = time.perf_counter()
-    results = [bench_workload(tapesac, w.strip(), args) for w in args.workloads.split(",") if w.strip()]
+    results = [bench_workload(w.strip(), args) for w in args.workloads.split(",") if w.strip()]
     print_table(results)
     print(f"\n(overhead = median over rounds of (t_variant - t_plain) / ops, IQR over rounds; min-based = "
           f"(min t_variant - min t_plain) / ops; net = overhead - empty step / ops; "

@@ -1,6 +1,6 @@
 """Overhead of tapesac's memory telemetry on the demo model (CPU), as a ratio from one interleaved run.
 
-Two comparisons, each A/B interleaved over --rounds rounds after warm-up, medians reported:
+Two comparisons, each A/B interleaved over --rounds rounds (order alternating) after warm-up, medians reported:
   1. the counting allocator layer: a plain training step (no tapesac) inside a MemoryMeter vs without;
   0. per allocation: 20,000 torch.empty(256) + free in a loop, plain vs inside a MemoryMeter (ns per pair), and
      the number of allocations one demo step makes (so that the per-step cost follows without timing noise);
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import torch  # noqa: E402
 
 import tapesac  # noqa: E402
 from tapesac import _C  # noqa: E402
+from tapesac.bench import harness  # noqa: E402
 from tapesac.models import tiny_qwen3  # noqa: E402
 
 
@@ -85,18 +85,10 @@ def main() -> None:
 
     pairs = {"allocator layer (plain step)": (plain, metered),
              "step timeline (tapesac full)": (without_timeline, with_telemetry)}
-    for a, b in pairs.values():
-        for _ in range(3):
-            a()
-            b()
     for name, (a, b) in pairs.items():
-        ta, tb = [], []
-        for _ in range(args.rounds):
-            for fn, acc in ((a, ta), (b, tb)):
-                t0 = time.perf_counter()
-                fn()
-                acc.append(time.perf_counter() - t0)
-        ma, mb = statistics.median(ta), statistics.median(tb)
+        fns = {"without": a, "with": b}
+        t = harness.interleaved_rounds(list(fns), lambda n: harness.timed(fns[n]), rounds=args.rounds, warmup=3)
+        ma, mb = statistics.median(t["without"]), statistics.median(t["with"])
         results[name] = {"baseline_ms": ma * 1e3, "with_ms": mb * 1e3, "ratio": mb / ma}
         if name.startswith("allocator"):
             results["per_step_cost_fraction"] = per_alloc * allocs / 1e9 / ma
@@ -104,10 +96,8 @@ def main() -> None:
         if name.startswith("allocator"):
             print(f"  per-allocation cost x allocations / step time = {results['per_step_cost_fraction']:.4%}")
     if args.json:
-        env = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-               "cpu_count": os.cpu_count(), "batch": args.batch, "seq": args.seq, "rounds": args.rounds}
         with open(args.json, "w") as f:
-            json.dump({"env": env, "results": results}, f, indent=2)
+            json.dump({"environment": harness.environment(), "args": vars(args), "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import tapesac
+from tapesac.bench import harness
 from tapesac.models import tiny_qwen3
 
 
@@ -26,20 +26,18 @@ def main() -> None:
     x = torch.randint(0, 259, (8, 128), generator=torch.Generator().manual_seed(0))
     sacs = {mode: tapesac.TapeSAC(model, blocks="model.layers.*", policy="full", preserve=mode)
             for mode in ("off", "auto")}
-    times: dict[str, list[float]] = {k: [] for k in sacs}
-    for r in range(args.warmup + args.rounds):
-        order = list(sacs.items()) if r % 2 == 0 else list(reversed(sacs.items()))  # no position bias
-        for mode, sac in order:
-            t0 = time.perf_counter()
-            with sac.step():
-                model(input_ids=x, labels=x).loss.backward()
-            model.zero_grad(set_to_none=True)
-            if r >= args.warmup:
-                times[mode].append(time.perf_counter() - t0)
+
+    def step(mode: str) -> None:
+        with sacs[mode].step():
+            model(input_ids=x, labels=x).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    # The order alternates each round (no position bias).
+    times = harness.interleaved_rounds(list(sacs), lambda m: harness.timed(lambda: step(m)), rounds=args.rounds,
+                                       warmup=args.warmup)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    ratios = [a / b for a, b in zip(times["auto"], times["off"])]
     print(f"step ms: preserve=off {med['off']:.2f}, preserve=auto {med['auto']:.2f}; "
-          f"median per-round ratio auto/off {statistics.median(ratios):.4f}")
+          f"median per-round ratio auto/off {harness.paired_ratio(times['auto'], times['off']):.4f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import torch
 
 import tapesac
+from tapesac.bench.harness import environment
 from tapesac.models import tiny_qwen3
 
 
@@ -60,8 +61,8 @@ def main() -> None:
                   f"{r['graph_reserve_bytes'] / 1e6:>10.2f}  {r['graph_fallbacks'] or ''}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "full_peak_bytes": full, "none_peak_bytes": none, "rows": rows},
-                      f, indent=1)
+            json.dump({"environment": environment(), "full_peak_bytes": full, "none_peak_bytes": none,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = work["variants"]
     size = bench.SIZES[args.size]
     model = bench.build_model(args.model, size, seed=0)
-    entry = bench._model_bytes(model) if size.device == "cpu" else 0
+    entry = bench.model_bytes(model) if size.device == "cpu" else 0
     lo, hi = res["ckpt"]["peak_bytes"], res["nockpt"]["peak_bytes"]
     if size.device == "cpu":
         # The same thread count as the benchmark's CPU default: the op times the frontier is priced with must

@@ -169,9 +169,3 @@ def live_tensor_count() -> int:
             pass
     return n
 
-
-def memory_meter():
-    """tapesac.MemoryMeter if this build has it, else None (the caller then uses storage weakrefs / gc)."""
-    import tapesac
-
-    return getattr(tapesac, "MemoryMeter", None)

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 import models as M
 from conftest import assert_same_grads, assert_same_tensor, reference_check
-from robust_helpers import assert_exact_step, live_tensor_count, memory_meter, small_input, small_stack
+from robust_helpers import assert_exact_step, live_tensor_count, small_input, small_stack
 
 VOCAB = 64
 
@@ -434,7 +434,7 @@ def _rss_bytes() -> int:
 
 def test_500_steps_flat_memory() -> None:
     """500 steps (SGD) of a 3-block stack with dropout under policy "full": live tensors, intermediate storages,
-    bytes alive after each step and the per-step peak stay flat (MemoryMeter when available), RSS does not grow
+    bytes alive after each step and the per-step peak stay flat (MemoryMeter), RSS does not grow
     with the step count, and the last step is still bitwise exact."""
     import tapesac
 
@@ -445,7 +445,6 @@ def test_500_steps_flat_memory() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     tracker = StorageTracker()
     tracker.track_all_leaves(model)
-    Meter = memory_meter()
     live, rss, after_bytes, peaks = {}, {}, [], []
     x = small_input(seed=1).detach()
 
@@ -458,8 +457,8 @@ def test_500_steps_flat_memory() -> None:
     try:
         for step in range(1, 501):
             tracker.refs.clear()
-            if Meter is not None and step > 20:
-                with Meter() as m:
+            if step > 20:
+                with tapesac.MemoryMeter() as m:
                     one_step()
                     after_bytes.append(m.current_bytes)
                     peaks.append(m.peak_bytes)
@@ -474,10 +473,9 @@ def test_500_steps_flat_memory() -> None:
         # RSS is noisy (glibc arenas, the interpreter); a leak of one tape (hundreds of ops) per step would add
         # tens of MiB over 400 steps.
         assert growth < 8 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB from step 100 to 500: {rss}"
-        if Meter is not None:
-            assert set(after_bytes) == {0}, f"bytes alive after a step (should be 0): {sorted(set(after_bytes))}"
-            assert max(peaks[-100:]) <= max(peaks[:100]), (
-                f"the step peak grows: first 100 steps max {max(peaks[:100])}, last 100 max {max(peaks[-100:])}")
+        assert set(after_bytes) == {0}, f"bytes alive after a step (should be 0): {sorted(set(after_bytes))}"
+        assert max(peaks[-100:]) <= max(peaks[:100]), (
+            f"the step peak grows: first 100 steps max {max(peaks[:100])}, last 100 max {max(peaks[-100:])}")
         stats = sac.history
         assert len({(s.ops_recorded, s.saved_tensors, s.dropped_bytes, s.ops_replayed) for s in stats}) == 1, (
             "identical steps produced different statistics")

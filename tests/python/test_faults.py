@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import models as M
 from robust_helpers import (assert_exact_step, assert_hooks_unchanged, assert_no_saved_tensor_hooks,
-                            hook_snapshot, memory_meter, small_input)
+                            hook_snapshot, small_input)
 
 D = 16
 
@@ -260,16 +260,13 @@ def test_fault_memory_returns_to_baseline(fault: Fault) -> None:
     is still alive (current_bytes == 0), and the step did allocate (peak_bytes > 0: the meter saw the step)."""
     import tapesac
 
-    Meter = memory_meter()
-    if Meter is None:
-        pytest.skip("tapesac.MemoryMeter is not in this build yet (the storage-weakref checks above still ran)")
     model = make_model()
     ref = copy.deepcopy(model)
     sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
     try:
         assert_exact_step(sac, model, ref=ref, when="warm-up")  # first-call allocations (oneDNN, caches) happen here
         model.zero_grad(set_to_none=True)
-        with Meter() as m:
+        with tapesac.MemoryMeter() as m:
             _run_fault(fault, sac, model)
             model.zero_grad(set_to_none=True)
             model.between = None

@@ -1,0 +1,389 @@
+# tapesac.bench.variants — the ways to run one training step that the suite compares, made by factories.
+#
+# Contract:
+# - A factory is `Ctx -> list[Variant]`; VARIANT_FACTORIES lists the suite's, called in order. Each returns
+#   runnable Variants, or placeholders (status "unavailable" / "skipped" with the reason). A factory runs after
+#   the variants before it were validated and measured, so it can read their numbers in `ctx.results` (tapesac
+#   auto's limits come from the measured peaks of ckpt and nockpt).
+# - The eager variants share the workload's model: each installs itself around its own step only (patched block
+#   forwards in `checkpointed_blocks`, or tapesac's `with sac.step()`); torch.compile gets a deep copy of the
+#   pristine model. Required variants (the baseline, tapesac none/full/static/eager) have optional=False; the peers
+#   and tapesac auto and cuda_graph are optional: their failures are findings, never fatal.
+# - `checkpointed_blocks(blocks, counter, context_fn)`: torch.utils.checkpoint (non-reentrant) around each block's
+#   forward while open; `torchtitan_context_fn()`: PyTorch SAC with a torchtitan-style policy.
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .sizes import MiB, Workload, model_bytes
+
+NOCKPT, CKPT = "nockpt", "ckpt"
+
+
+@dataclass
+class Variant:
+    """One way to run a training step.
+
+    name: key in the results ("tapesac_full"); label: what the table prints.
+    kind: "baseline" | "pytorch" | "compile" | "tapesac".
+    step: runs forward + backward once and returns the loss (None for a placeholder).
+    model: the module whose parameters get the gradients (the workload's model unless the variant has a copy).
+    status: "" for a runnable variant, else "unavailable" or "skipped" with `reason`.
+    exact: compared bitwise on CPU (else within measure.COMPILE_RTOL of the model's dtype).
+    optional: an invalid result or a crash is reported but does not fail the run (peer tools, tapesac auto and the
+        optional CUDA-graph backend); required variants (the baseline, tapesac's exact modes) fail it.
+    block_forwards: expected block-forward calls per step (2 x layers for whole-block recompute), or None.
+    counter: incremented by the variant on each block forward it sees (checkpoint variants).
+    sac: the TapeSAC object of a tapesac variant.
+    context: entered around every step of this variant (e.g. torch.compile's memory budget).
+    prime_steps: steps run (and discarded) before the validation step: tapesac auto runs "full" in its first step
+        while measuring and plans from the second, so the plan itself is what gets validated and measured.
+    """
+
+    name: str
+    label: str
+    kind: str
+    step: Callable[[], torch.Tensor] | None = None
+    model: nn.Module | None = None
+    status: str = ""
+    reason: str = ""
+    exact: bool = True
+    optional: bool = False
+    block_forwards: int | None = None
+    counter: list[int] | None = None
+    sac: Any = None
+    context: Callable[[], Any] | None = None
+    prime_steps: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Ctx:
+    """What a variant factory sees: the workload, the options, the package and the results measured so far."""
+
+    work: Workload
+    args: argparse.Namespace
+    tapesac: Any
+    results: dict[str, dict[str, Any]]
+
+    @property
+    def cuda(self) -> bool:
+        return self.work.size.device.startswith("cuda")
+
+
+def _placeholder(name: str, label: str, kind: str, status: str, reason: str) -> Variant:
+    return Variant(name=name, label=label, kind=kind, status=status, reason=reason, optional=True)
+
+
+def _restore_attr(obj: Any, name: str, saved: Any, missing: object) -> None:
+    if saved is missing:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = saved
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def checkpointed_blocks(blocks: Sequence[nn.Module], counter: list[int] | None = None,
+                        context_fn: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Runs each block's forward under torch.utils.checkpoint (non-reentrant) while the context is open.
+
+    The blocks are not replaced: their instance `forward` is patched and restored on exit, so the model's
+    structure, attribute lookups (HF reads `layer.attention_type`) and state_dict keys stay the same. Keyword
+    arguments (HF's attention_mask, position_embeddings, ...) go through checkpoint unchanged. `counter[0]` counts
+    every call of the original forward (forward and recompute), which shows that checkpointing really happens.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    saved = []
+    for b in blocks:
+        saved.append(b.__dict__.get("forward", _MISSING))
+        orig = b.forward
+
+        def counted(*args: Any, _orig: Callable[..., Any] = orig, **kwargs: Any) -> Any:
+            if counter is not None:
+                counter[0] += 1
+            return _orig(*args, **kwargs)
+
+        def ckpt_forward(*args: Any, _fn: Callable[..., Any] = counted, **kwargs: Any) -> Any:
+            extra = {"context_fn": context_fn} if context_fn is not None else {}
+            return checkpoint(_fn, *args, use_reentrant=False, **extra, **kwargs)
+
+        b.forward = ckpt_forward
+    try:
+        yield
+    finally:
+        for b, s in zip(blocks, saved):
+            _restore_attr(b, "forward", s, _MISSING)
+
+
+def _ops(names: Sequence[str]) -> list[Any]:
+    """OpOverloads for 'aten.name.overload' strings; names this torch build lacks are skipped."""
+    out = []
+    for n in names:
+        ns, op, overload = n.split(".")
+        packet = getattr(getattr(torch.ops, ns), op, None)
+        ov = getattr(packet, overload, None) if packet is not None else None
+        if ov is not None:
+            out.append(ov)
+    return out
+
+
+# torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py), adapted to CPU: save the outputs of
+# compute-intensive ops (attention kernels of every backend, including SDPA's CPU flash kernel; scaled and grouped
+# matmuls; router topk; max) and of every other matmul (the 1st, 3rd, ... mm/addmm/bmm of a block, counted
+# separately in forward and in recompute, as torchtitan counts mm); recompute everything else.
+TORCHTITAN_SAVE = (
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten._scaled_mm.default",
+    "aten.topk.default",
+    "aten.max.default",
+)
+TORCHTITAN_ALTERNATE = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._grouped_mm.default")
+
+
+def torchtitan_context_fn() -> Callable[[], Any]:
+    """A context_fn for torch.utils.checkpoint: PyTorch SAC with the torchtitan-style policy (fresh counters per
+    checkpointed call)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = set(_ops(TORCHTITAN_SAVE))
+    alternate = set(_ops(TORCHTITAN_ALTERNATE))
+
+    def context_fn() -> Any:
+        counts: collections.Counter[str] = collections.Counter()
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            if func in alternate:
+                mode = "recompute" if ctx.is_recompute else "forward"
+                counts[mode] += 1
+                keep = counts[mode] % 2 == 1
+            else:
+                keep = func in save
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def _plain_step(work: Workload, model: Callable[..., Any] | None = None) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        loss = work.loss(model)
+        loss.backward()
+        return loss
+
+    return step
+
+
+def nockpt_variants(ctx: Ctx) -> list[Variant]:
+    """The baseline: no checkpointing. Always first: every other variant is validated against it."""
+    return [Variant(name=NOCKPT, label="no checkpointing", kind="baseline", step=_plain_step(ctx.work),
+                    block_forwards=None)]
+
+
+def pytorch_checkpoint_variants(ctx: Ctx) -> list[Variant]:
+    """torch.utils.checkpoint (non-reentrant) per decoder layer, and PyTorch SAC with the torchtitan policy."""
+    work = ctx.work
+    n_blocks = len(work.blocks)
+    out = []
+    for name, label, context_fn in ((CKPT, "torch.utils.checkpoint per layer", None),
+                                    ("torch_sac", "PyTorch SAC, torchtitan policy", torchtitan_context_fn())):
+        counter = [0]
+
+        def step(counter: list[int] = counter, context_fn: Any = context_fn) -> torch.Tensor:
+            with checkpointed_blocks(work.blocks, counter, context_fn):
+                loss = work.loss()
+                loss.backward()
+            return loss
+
+        out.append(Variant(name=name, label=label, kind="pytorch", step=step, block_forwards=2 * n_blocks,
+                           counter=counter, optional=True))
+    return out
+
+
+def _compile_unavailable(ctx: Ctx) -> str:
+    """Why torch.compile cannot run here ('' when it can)."""
+    if ctx.args.no_compile:
+        return "skipped: --no-compile"
+    if ctx.cuda:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"skipped: inductor on CUDA needs triton ({e})"
+        return ""
+    if not ctx.args.compile:
+        return ("skipped: on CPU, inductor compiles C++ kernels for every graph (minutes on a 2-core machine); "
+                "pass --compile to run it")
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None and shutil.which("c++") is None:
+        return f"skipped: inductor on CPU needs a C++ compiler; none found ({cxx!r}, 'c++' not on PATH)"
+    return ""
+
+
+def compile_variants(ctx: Ctx) -> list[Variant]:
+    """torch.compile with torch._functorch.config.activation_memory_budget (one variant per --compile-budgets)."""
+    budgets = [float(b) for b in ctx.args.compile_budgets.split(",") if b.strip()]
+    out = []
+    why = _compile_unavailable(ctx)
+    for b in budgets:
+        name, label = f"compile_b{b:g}", f"torch.compile, activation_memory_budget={b:g}"
+        if why:
+            out.append(_placeholder(name, label, "compile", "skipped", why.removeprefix("skipped: ")))
+            continue
+        model = copy.deepcopy(ctx.work.pristine)
+        compiled = torch.compile(model)
+
+        def budget(b: float = b) -> Any:
+            import torch._functorch.config as fc
+
+            return fc.patch(activation_memory_budget=b)
+
+        out.append(Variant(name=name, label=label, kind="compile", step=_plain_step(ctx.work, compiled), model=model,
+                           exact=False, optional=True, context=budget, info={"budget": b}))
+    return out
+
+
+# Candidate op names (as tapesac.record_ops reports them) for tapesac's static policy: the compute-intensive ops.
+# The policy keeps those the model's forward actually runs (a name never seen would only trigger a warning).
+TAPESAC_STATIC_CANDIDATES = (
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def _tapesac_step(ctx: Ctx, sac: Any) -> Callable[[], torch.Tensor]:
+    work = ctx.work
+
+    def step() -> torch.Tensor:
+        with sac.step():
+            loss = work.loss()
+            loss.backward()
+        return loss
+
+    return step
+
+
+def _tapesac_variant(ctx: Ctx, name: str, label: str, **sac_kwargs: Any) -> Variant:
+    sac = ctx.tapesac.TapeSAC(ctx.work.model, blocks="model.layers.*", **sac_kwargs)
+    return Variant(name=name, label=label, kind="tapesac", step=_tapesac_step(ctx, sac), sac=sac,
+                   info={k: (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in sac_kwargs.items()})
+
+
+def tapesac_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac policy "none" (record and measure only), "full", and a static op set (the compute-intensive ops)."""
+    seen = set(ctx.tapesac.record_ops(lambda: ctx.work.loss()))
+    static = frozenset(op for op in TAPESAC_STATIC_CANDIDATES if op in seen)
+    short = ",".join(sorted(o.removeprefix("aten::").replace("_scaled_dot_product_", "sdpa_") for o in static))
+    return [
+        _tapesac_variant(ctx, "tapesac_none", 'tapesac policy="none"', policy="none"),
+        _tapesac_variant(ctx, "tapesac_full", 'tapesac policy="full"', policy="full"),
+        _tapesac_variant(ctx, "tapesac_ops", f"tapesac policy={{{short}}}", policy=static),
+    ]
+
+
+def _entry_bytes(ctx: Ctx) -> int:
+    """The step baseline a memory_limit includes (tapesac.memory): CPU, the bytes of parameters and buffers
+    (gradients are None at step entry); CUDA, all memory allocated at entry."""
+    return torch.cuda.memory_allocated() if ctx.cuda else model_bytes(ctx.work.model)
+
+
+def _limit_targets(ctx: Ctx) -> list[tuple[str, int, int]]:
+    """(label, memory_limit bytes, the limit above the step baseline) for tapesac auto at fractions of the way
+    from ckpt's peak to nockpt's. memory_limit bounds the whole step peak, so the limit adds the step baseline."""
+    res = ctx.results
+    lo, hi = res.get(CKPT, {}).get("peak_bytes"), res.get(NOCKPT, {}).get("peak_bytes")
+    if not lo or not hi:
+        return []
+    entry = _entry_bytes(ctx)
+    fracs = [float(f) for f in ctx.args.auto_fractions.split(",") if f.strip()]
+    return [(f"{f:g}", int(entry + lo + f * (hi - lo)), int(lo + f * (hi - lo))) for f in fracs]
+
+
+def tapesac_auto_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac policy="auto" under several memory limits (between full checkpointing's peak and no checkpointing's),
+    each primed two steps (step 1 runs "full" while measuring, the plan applies from step 2)."""
+    targets = _limit_targets(ctx)
+    if not targets:
+        return [_placeholder("tapesac_auto", 'tapesac policy="auto"', "tapesac", "skipped",
+                             "needs the measured peaks of nockpt and ckpt")]
+    out = []
+    for frac, limit, above in targets:
+        v = _tapesac_variant(ctx, f"tapesac_auto_{frac}", f'tapesac auto, limit {limit / MiB:.0f} MiB ({frac})',
+                             policy="auto", memory_limit=limit)
+        v.optional = True
+        v.prime_steps = 2
+        v.info["limit_fraction"] = float(frac)
+        v.info["limit_above_entry_bytes"] = above  # comparable with the measured peak
+        out.append(v)
+    return out
+
+
+def tapesac_auto_at_sac_peak_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac policy="auto" with the limit at PyTorch SAC's measured peak: the same memory, who is faster."""
+    name, label = "tapesac_auto_sac_peak", "tapesac auto, limit = PyTorch SAC's peak"
+    sac_peak = ctx.results.get("torch_sac", {}).get("peak_bytes")
+    if not sac_peak:
+        return [_placeholder(name, label, "tapesac", "skipped", "needs PyTorch SAC's measured peak")]
+    v = _tapesac_variant(ctx, name, label, policy="auto", memory_limit=int(_entry_bytes(ctx) + sac_peak))
+    v.optional = True
+    v.prime_steps = 2
+    v.info["limit_above_entry_bytes"] = int(sac_peak)
+    return [v]
+
+
+# The policy both replay backends run with, so that tapesac_eager vs tapesac_cuda_graph isolates the backend.
+BACKEND_POLICY = "full"
+
+
+def tapesac_backend_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac with the same policy under each replay backend: backend="eager" (replay through the dispatcher) and
+    backend="cuda_graph" (replay as pruned CUDA-graph launches; GPU only). The graph variant primes two steps (the
+    first replay of a block signature runs eagerly, the second captures), so validation, the peak and every timed
+    step see graph launches; a validation step that launched no graph makes it invalid."""
+    eager = _tapesac_variant(ctx, "tapesac_eager", f'tapesac policy="{BACKEND_POLICY}", backend="eager"',
+                             policy=BACKEND_POLICY, backend="eager")
+    name, label = "tapesac_cuda_graph", f'tapesac policy="{BACKEND_POLICY}", backend="cuda_graph"'
+    if not ctx.cuda:
+        return [eager, _placeholder(name, label, "tapesac", "skipped",
+                                    "needs a CUDA workload (backend='cuda_graph' replays CUDA graphs); this "
+                                    f"workload runs on {ctx.work.size.device}")]
+    try:  # the GPU backend is optional: a build without nvcc has none
+        graph = _tapesac_variant(ctx, name, label, policy=BACKEND_POLICY, backend="cuda_graph")
+    except ctx.tapesac.ConfigError as e:
+        return [eager, _placeholder(name, label, "tapesac", "unavailable",
+                                    f"CUDA-graph backend unavailable (ConfigError: {str(e).split(';')[0]})")]
+    graph.prime_steps = 2
+    graph.info["expect_graph_replays"] = True
+    return [eager, graph]
+
+
+# The suite, in order. Each factory: Ctx -> list[Variant]. Append a factory to add variants; a factory runs after
+# the variants before it were validated and measured (ctx.results holds their numbers).
+VARIANT_FACTORIES: list[Callable[[Ctx], list[Variant]]] = [
+    nockpt_variants,
+    pytorch_checkpoint_variants,
+    compile_variants,
+    tapesac_variants,
+    tapesac_auto_variants,
+    tapesac_auto_at_sac_peak_variants,
+    tapesac_backend_variants,
+]
+

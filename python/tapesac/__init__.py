@@ -8,7 +8,9 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from .errors import CaptureError, ConfigError, MemoryLimitError, ReplayContractError, TapeSACError
 from . import _C  # noqa: E402
-from .core import Approx, BlockStats, StepStats, TapeSAC, record_ops
+from .config import Approx, Config
+from .core import TapeSAC, record_ops
+from .stats import BlockStats, StepStats
 from .memory import MemoryMeter, MemoryStats, parse_memory_limit
 from .report import StepReport
 from .validate import ValidationReport, validate
@@ -18,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TapeSAC",
     "Approx",
+    "Config",
     "StepStats",
     "BlockStats",
     "StepReport",

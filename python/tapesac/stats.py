@@ -52,11 +52,8 @@ _SUMMED = [py for py, spec in _BLOCK_FIELDS.items() if spec[4]]
 
 def _doc(summary: str, names: list[str], extra: dict[str, str] | None = None) -> str:
     lines = [summary, "", "Attributes:"]
-    for n in names:
-        lines.append(f"    {n}: {_BLOCK_FIELDS[n][5] if n in _BLOCK_FIELDS else (extra or {}).get(n, '')}")
-    for n, d in (extra or {}).items():
-        if n not in names:
-            lines.append(f"    {n}: {d}")
+    lines += [f"    {n}: {d}" for n, d in (extra or {}).items()]
+    lines += [f"    {n}: {_BLOCK_FIELDS[n][5]}" + (" (summed over the block calls)" if extra else "") for n in names]
     return "\n".join(lines)
 
 

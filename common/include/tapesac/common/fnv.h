@@ -10,7 +10,7 @@ namespace tapesac::common {
 
 class Fnv64 {
  public:
-  static constexpr uint64_t kOffset = 1469598103934665603ull;
+  static constexpr uint64_t kOffset = 14695981039346656037ull;  // 0xcbf29ce484222325
   static constexpr uint64_t kPrime = 1099511628211ull;
 
   /// Mixes the 8 bytes of `x`, low byte first.

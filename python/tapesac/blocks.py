@@ -1,0 +1,110 @@
+"""Where tapesac applies: the blocks of a model (``resolve_blocks``), the model's device, and the replay backend.
+
+``blocks`` may be an nn.ModuleList, a list of modules, a module class, a class name, or a dotted path with ``*``
+(``"model.layers.*"``); nested matches are merged into the outermost block.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from . import _C
+from .errors import ConfigError
+
+__all__ = ["resolve_blocks", "resolve_backend", "model_device", "is_compiled"]
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """True for torch.compile(module) (an OptimizedModule) and module.compile() (compiled in place)."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for a model without any)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The replay backend for `backend` (validated) on `device` (see the docstring of TapeSAC)."""
+    has_graphs = _C.has_cuda_backend
+    if backend == "cuda_graph":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(
+                f"backend='cuda_graph' needs a CUDA device: the model is on {device} (torch.cuda.is_available() = "
+                f"{torch.cuda.is_available()}); use backend='eager', or 'auto', which picks eager there")
+        if not has_graphs:
+            raise ConfigError("backend='cuda_graph' needs tapesac built with its GPU backend (this build has none); "
+                              "rebuild where nvcc and a CUDA torch are present, or use backend='eager'")
+        return "cuda_graph"
+    if backend == "auto":
+        return "cuda_graph" if device.type == "cuda" and has_graphs and torch.cuda.is_available() else "eager"
+    return backend
+
+
+def resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
+    named = list(model.named_modules())
+    by_id = {id(m): n for n, m in named}
+
+    def from_modules(mods: Iterable[Any], what: str) -> list[tuple[str, nn.Module]]:
+        out = []
+        for m in mods:
+            if not isinstance(m, nn.Module):
+                raise ConfigError(f"blocks={what} must contain nn.Module objects, found {type(m).__name__}")
+            if id(m) not in by_id:
+                raise ConfigError(
+                    f"blocks={what} contains a {type(m).__name__} that is not a submodule of the model; pass "
+                    f"modules of this model (e.g. model.model.layers)"
+                )
+            out.append((by_id[id(m)], m))
+        return out
+
+    if isinstance(blocks, nn.ModuleList):
+        chosen = from_modules(blocks, "ModuleList")
+    elif isinstance(blocks, (list, tuple)):
+        chosen = from_modules(blocks, "list")
+    elif isinstance(blocks, type) and issubclass(blocks, nn.Module):
+        chosen = [(n, m) for n, m in named if isinstance(m, blocks) and m is not model]
+    elif isinstance(blocks, str):
+        if "." in blocks or "*" in blocks:
+            pat = blocks.split(".")
+            chosen = [
+                (n, m)
+                for n, m in named
+                if n and len(n.split(".")) == len(pat) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), pat))
+            ]
+        else:
+            chosen = [(n, m) for n, m in named if type(m).__name__ == blocks and m is not model]
+            if not chosen:
+                chosen = [(n, m) for n, m in named if n == blocks]
+    elif isinstance(blocks, nn.Module):
+        chosen = from_modules([blocks], "module")
+    else:
+        raise ConfigError(
+            "blocks must be an nn.ModuleList, a list of modules, a module class, a class name or a dotted path "
+            f"with * (e.g. 'model.layers.*'); got {type(blocks).__name__}"
+        )
+    # Outermost matches only: a block inside another block is recorded as part of the outer one.
+    chosen_ids = {id(m) for _, m in chosen}
+    outer = []
+    for name, m in chosen:
+        parts = name.split(".")
+        ancestors = {".".join(parts[:i]) for i in range(len(parts))}
+        if any(id(mm) in chosen_ids and nn_name in ancestors for nn_name, mm in named if mm is not m):
+            continue
+        outer.append((name, m))
+    if not outer:
+        classes = sorted({type(m).__name__ for _, m in named})[:12]
+        paths = [n for n, _ in named if n][:12]
+        raise ConfigError(
+            f"blocks={blocks!r} matches no submodule of {type(model).__name__}. Expected a dotted path such as "
+            f"{paths[:4]} (with * for any index, e.g. 'model.layers.*'), or a class name such as {classes[:6]}"
+        )
+    return outer

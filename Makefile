@@ -24,7 +24,7 @@ OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # the list file also records the interpreter and the file set, so adding/removing a source or switching
 # $(PYTHON) triggers a rebuild, and so does reinstalling torch (its version.py is a prerequisite).
 BUILD_INPUTS := $(wildcard $(shell git ls-files --cached --others --exclude-standard -- \
-	CMakeLists.txt pyproject.toml cmake capture replay allocator planner python 2>/dev/null))
+	CMakeLists.txt pyproject.toml cmake common capture replay allocator planner runtime python 2>/dev/null))
 TORCH_VERSION_FILE := $(wildcard $(shell $(PYTHON) -c \
 	'import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.join(os.path.dirname(s.origin), "version.py") if s else "")' 2>/dev/null))
 # The compiler scikit-build-core picks (Python's sysconfig CXX): using the same one here lets ccache share objects

@@ -15,7 +15,7 @@ void bind_errors(pybind11::module_& m);
 void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
 void bind_allocator(pybind11::module_& m);
-void bind_planner(pybind11::module_& m);
+void bind_runtime(pybind11::module_& m);
 void bind_stats(pybind11::module_& m);
 /// The Session's methods that return the last step's results (bind_stats.cpp).
 void bind_session_results(pybind11::class_<replay::Session>& c);

@@ -42,7 +42,7 @@ PYBIND11_MODULE(_C, m) {
   tapesac::python::bind_capture(m);
   tapesac::python::bind_replay(m);
   tapesac::python::bind_allocator(m);
-  tapesac::python::bind_planner(m);
+  tapesac::python::bind_runtime(m);
   tapesac::python::bind_stats(m);
 #ifdef TAPESAC_WITH_CUDA
   m.attr("has_cuda_backend") = true;

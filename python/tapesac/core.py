@@ -21,21 +21,19 @@ import torch
 from torch import nn
 
 from . import _C
-from . import preserve as _preserve
 from .blocks import is_compiled, model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc
-from .errors import ConfigError, MemoryLimitError, TapeSACError
+from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
 from .logs import StepLog
 from .memory import MemoryStats, parse_memory_limit
 from .policy import OpSetPolicy, parse_policy
+from .preserve import Trial
 from .stats import BlockStats, StepStats, block_stats_from, step_stats_from
 
 __all__ = ["TapeSAC", "Approx", "Config", "StepStats", "BlockStats", "record_ops"]
 
-MAX_PRESERVE_CHOICES = 1024
 HISTORY_STEPS = 1000
-RECALIBRATIONS = 1
 
 _thread_state = threading.local()
 
@@ -110,26 +108,12 @@ class TapeSAC:
         self._session, self._arena_pool = _session_for(
             cfg, session_policy, save_op, limit or 0, self._device, self.backend,
             device_timing=self._device.type == "cuda" and self._policy_label == "auto")
-        self._preserve = preserve if check else "off"
-        self._preserve_choices: dict[int, str] = {}
-        self._preserve_trials: list[Any] = []
-        self._preserve_trying = "snapshots" if preserve == "snapshots" else "regions"
-        self._preserve_mode: str | None = None
         self._approx = cfg.approx
-        self._planner = None
         self._limit = limit or 0
-        self._session.set_graph_memory_limit(self._limit)
-        self._model_error = 0
-        self._recalibrations = 0
-        self._plan: dict[str, Any] | None = None
-        self._plans: list[dict[str, Any]] = []
-        if self._policy_label == "auto":
-            if limit is None:
-                raise ConfigError(
-                    "policy='auto' plans under a memory limit: pass memory_limit (bytes, e.g. '20GiB', or '90%' of "
-                    "the device's memory), or use policy='full' / 'none' without one"
-                )
-            self._planner = _C.AutoPlanner(self._session)
+        # Between steps (runtime/runtime.h): the planner of policy "auto" and the preservation choice.
+        self._runtime = _C.Runtime(self._session, plan=self._policy_label == "auto", memory_limit=self._limit,
+                                   preserve=preserve if check else "off")
+        self._planner = self._runtime.planner  # None unless policy "auto"
         self._log = StepLog(cfg.log, cfg.records)
         self._hooks = StepHooks(self._session, self._blocks)
         self._timeline: dict[str, Any] | None = {}
@@ -194,16 +178,7 @@ class TapeSAC:
         params = [p for p in self._model.parameters()] + [b for b in self._model.buffers()]
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        if self._planner is not None:
-            self._planner.begin_step()
-            # The measuring step runs "full" without enforcing the limit, so that an infeasible limit is reported by
-            # the planner with the smallest feasible one, rather than by the first replay that does not fit.
-            self._session.set_memory_limit(0 if self._plan is None else self._limit)
-        elif self._limit:
-            # preserve="auto" trying its modes: measured without enforcing the limit (like the planner's measuring
-            # step), so that a mode over the limit is measured and not chosen rather than failing the step.
-            exploring = self._preserve == "auto" and self._preserve_mode is None and bool(self._preserve_choices)
-            self._session.set_memory_limit(0 if exploring else self._limit)
+        self._runtime.before_step()  # the step's enforced limit (none while measuring)
         self._session.begin_step(params)
         _thread_state.active = self
         start = time.perf_counter()
@@ -220,116 +195,18 @@ class TapeSAC:
             self._warn_unmatched()
             self._log.write_step(self._last, self._get_timeline)
             self._log.write_records(self._steps, self._session)
-        # Only after a step that finished: plan (policy "auto") from what it measured.
-        self._replan_if_needed(self._last)
-        self._choose_preservation(self._last)
-
-    def _choose_preservation(self, st: StepStats) -> None:
-        """preserve="auto"/"keep": after a step, the storages it wrote after a block read them get their mode for the
-        next steps. "keep" keeps their dependents. "auto" measures: the steps after the first such write run
-        "regions", "snapshots" and "keep" in turn, then the best by tapesac.preserve.pick stays (and applies to
-        storages found later). Choices persist: a storage whose dependents are kept is no longer read by replays,
-        so it no longer shows up as written."""
-        if self._preserve not in ("auto", "keep"):
-            return
-        written = [int(p["storage"]) for p in st.preserved]
-        if self._preserve == "keep":
-            mode = "keep"
-        elif self._preserve_mode is not None:
-            mode = self._preserve_mode
-        elif not self._preserve_choices and not written:
-            return  # nothing written yet
-        else:
-            cost = st.replay_ms + sum(p["save_ns"] + p["restore_ns"] for p in st.preserved) / 1e6
-            peak = st.memory.peak_bytes if st.memory else 0
-            self._preserve_trials.append(_preserve.Trial(self._preserve_trying, peak, cost))
-            untried = [m for m in _preserve.EXPLORED if m not in {t.mode for t in self._preserve_trials}]
-            if untried:
-                mode = self._preserve_trying = untried[0]
-            else:
-                mode = self._preserve_mode = _preserve.pick(self._preserve_trials, self._limit or None)
-        new = {k: mode for k in written}
-        new.update({k: mode for k in self._preserve_choices})
-        if new == self._preserve_choices:
-            return
-        if len(new) > MAX_PRESERVE_CHOICES:
-            new = {k: mode for k in written}
-        self._preserve_choices = new
-        modes = {k: m for k, m in new.items() if m != "keep"}
-        keep = [k for k, m in new.items() if m == "keep"]
-        self._session.set_preservation(modes, keep)
+        # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
+        self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)
 
     @property
-    def preservation_trials(self) -> list[Any]:
+    def preservation_trials(self) -> list[Trial]:
         """preserve="auto": the measured trials (mode, peak, cost) the choice was made from."""
-        return list(self._preserve_trials)
+        return [Trial(*t) for t in self._runtime.preservation_trials]
 
     @property
     def preservation(self) -> dict[int, str]:
         """preserve="auto"/"keep": the mode chosen per written storage (keys are storage identities)."""
-        return dict(self._preserve_choices)
-
-    def _replan_if_needed(self, st: StepStats) -> None:
-        """Policy "auto": plans after the first step (which ran "full" while measuring), and again whenever a block
-        call found no plan for its tape (new shapes or routing) or the measured peak exceeded the limit."""
-        if self._planner is None or st.block_calls == 0:
-            return
-        limit = self._limit
-        self._session.set_memory_limit(limit)
-        measured = st.memory.peak_bytes if st.memory else 0
-        if self._plan is not None:
-            # What the peak model missed on the plan that ran: later plans keep that much below the limit.
-            self._model_error = max(self._model_error, measured - self._plan["predicted_peak_bytes"])
-        unplanned = any(not b.planned for b in st.blocks)
-        over = measured > limit
-        # The peak model is calibrated on the "full" measuring step and errs on the high side on the models we test
-        # (README: the prediction vs measurement table). When the first plan's measured peak comes in below its
-        # prediction, the model is re-calibrated once, halfway towards that measurement: the error varies between
-        # plans, so going all the way (or re-calibrating again) could overshoot the limit with the next plan.
-        predicted = self._plan["predicted_peak_bytes"] if self._plan is not None else 0
-        # (The sequence model is calibrated on a complete measured profile and needs no such correction.)
-        slack = (self._plan is not None and self._plan.get("model") == "additive"
-                 and not self._plan["keeps_everything"] and predicted - measured > 0.01 * limit
-                 and self._recalibrations < RECALIBRATIONS)
-        if self._plan is not None and not unplanned and not over and not slack:
-            return
-        calibrate_on = measured
-        if self._plan is None:
-            reason = "first step"
-        elif unplanned:
-            reason = "new tape"
-        elif over:
-            reason = "measured peak over the limit"
-        else:
-            reason = "re-calibrated halfway to the plan's measured peak"
-            calibrate_on = predicted - (predicted - measured) // 2
-            self._recalibrations += 1
-        # After a re-calibration the model is no longer conservative by construction: keep 1% of the limit spare.
-        margin = max(self._model_error, int(0.01 * limit) if self._recalibrations else 0)
-        info = dict(self._planner.plan(limit - margin, calibrate_on))
-        # Graph replay: the static memory of the graphs not captured yet must fit beside the plan. A plan that keeps
-        # everything replays nothing and needs no graph; otherwise the plan leaves room for the graphs when some
-        # plan can, and else gets the whole limit while those blocks keep replaying eagerly (fallback memory_limit).
-        reserve = self._session.graph_pending_bytes
-        if reserve:
-            capture = False
-            if not info["keeps_everything"]:
-                try:
-                    info = dict(self._planner.plan(limit - margin - reserve, calibrate_on))
-                    capture = True
-                except MemoryLimitError:
-                    pass
-            self._session.set_graph_capture(capture)
-            reserve = reserve if capture else 0
-        info["graph_reserve_bytes"] = reserve
-        info["predicted_peak_bytes"] += reserve
-        info["limit"] = limit
-        info["margin_bytes"] = margin
-        info["reason"] = reason
-        info["after_step"] = st.step
-        info["measured_peak_bytes"] = measured
-        self._plan = info
-        self._plans.append({k: v for k, v in info.items() if k != "calls"})
+        return dict(self._runtime.preservation)
 
     def _get_timeline(self) -> dict[str, Any]:
         """The last step's memory timeline, converted from the session on first use (valid until the next step ends)."""
@@ -379,7 +256,7 @@ class TapeSAC:
     @property
     def plan(self) -> dict[str, Any] | None:
         """Policy "auto": the plan in use (predicted peak and replay cost, per block call kept bytes), else None."""
-        return self._plan
+        return self._runtime.plan
 
     def frontier(self, points: int = 12) -> "Frontier":
         """Policy "auto": the planner's memory/time frontier for the current tapes — the best plan's predicted step
@@ -387,13 +264,13 @@ class TapeSAC:
         plus the steps measured so far. Needs one finished step."""
         from .frontier import Frontier
 
-        if self._planner is None or self._plan is None:
+        if self._runtime.plan is None:
             raise TapeSACError("frontier() needs policy='auto' (a memory_limit) and one finished step")
         if not isinstance(points, int) or isinstance(points, bool) or not 2 <= points <= 1000:
             raise ConfigError(f"frontier(points={points!r}): expected an int in [2, 1000]")
         planned = [
             {"limit_bytes": lim, "predicted_peak_bytes": peak, "predicted_replay_ms": cost / 1e6, "kept_bytes": kept}
-            for lim, peak, cost, kept in self._planner.frontier(points)
+            for lim, peak, cost, kept in self._runtime.frontier(points)
         ]
         measured = [
             {"step": st.step, "peak_bytes": st.memory.peak_bytes if st.memory else 0, "replay_ms": st.replay_ms,
@@ -405,7 +282,7 @@ class TapeSAC:
     @property
     def plans(self) -> list[dict[str, Any]]:
         """Policy "auto": every plan made so far (why, after which step, predicted vs measured peak)."""
-        return list(self._plans)
+        return self._runtime.plans
 
     @property
     def memory_limit(self) -> int | None:
@@ -415,23 +292,10 @@ class TapeSAC:
     @memory_limit.setter
     def memory_limit(self, value: Any) -> None:
         limit = parse_memory_limit(value, self._device) or 0
-        if self._planner is not None and limit == 0:
-            raise ConfigError("policy='auto' needs a memory_limit; to run without one create a TapeSAC with "
-                              "policy='full' or 'none'")
-        self._session.set_memory_limit(limit)
-        self._session.set_graph_memory_limit(limit)
+        # The session's and the graphs' limit; preserve="auto" chooses again; policy "auto" re-plans after the next
+        # step.
+        self._runtime.set_memory_limit(limit)
         self._limit = limit
-        if self._preserve_mode is not None and self._preserve_trials:
-            # preserve="auto": choose again from the measured trials under the new limit.
-            self._preserve_mode = _preserve.pick(self._preserve_trials, limit or None)
-            self._preserve_choices = {k: self._preserve_mode for k in self._preserve_choices}
-            modes = {k: m for k, m in self._preserve_choices.items() if m != "keep"}
-            keep = [k for k, m in self._preserve_choices.items() if m == "keep"]
-            self._session.set_preservation(modes, keep)
-        if self._planner is not None and self._plan is not None:
-            self._plan = None  # re-plan after the next step, under the new limit
-            self._model_error = 0
-            self._recalibrations = 0
 
     def report(self) -> "StepReport":
         """A StepReport of the steps run so far (the last step in detail)."""

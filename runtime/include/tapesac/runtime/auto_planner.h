@@ -1,0 +1,109 @@
+// AutoPlanner: policy "auto"'s link between a replay Session and the planner. It observes every block call's tape
+// (its planning problem and measured op costs, in C++ on the forward thread), plans the next steps under one limit
+// from the last step's problems and its measured peak, and installs the plan in the session (Session::set_plans).
+//
+// Contract.
+//  * begin_step() forgets the previous step's calls; the calls observed since are what plan(), frontier() and
+//    dump_problem() work on. Problems are cached per tape signature (bounded: AutoPlannerOptions::max_problems);
+//    op costs are the per-op medians of the recent calls of a signature (planner::CostModel).
+//  * plan() calibrates two peak models on the step: the additive model (planner::PeakModel) on `measured_peak`,
+//    and the sequence model (planner::SequencePeakModel) on the step's memory profile when every call replayed; the
+//    sequence model is used when valid (and kept while the calls stay the same). An infeasible limit throws
+//    tapesac::Error (kMemoryLimit) with infeasible_limit_message(); nothing is installed then.
+//  * Not thread-safe: begin_step/plan/frontier between steps, observation during the step's forwards (one thread).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tapesac/planner/from_tape.h"
+#include "tapesac/planner/peak_model.h"
+#include "tapesac/planner/step.h"
+#include "tapesac/replay/session.h"
+#include "tapesac/runtime/plan_info.h"
+
+namespace tapesac::runtime {
+
+struct AutoPlannerOptions {
+  /// Distinct tape signatures whose problems are cached (signatures change with shapes; the cache is cleared when
+  /// it grows past this).
+  size_t max_problems = 256;
+  /// Measured cost vectors per signature whose per-op median is the op cost (planner::CostModel).
+  size_t cost_window = 7;
+  /// Plan under the sequence peak model when it could be calibrated (else always the additive model).
+  bool sequence_model = true;
+};
+
+/// The message of an infeasible limit: the limit, the smallest feasible step peak and what it is made of, and how
+/// to fix it ("Raise memory_limit to at least N bytes, ...").
+std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes);
+
+/// Plans policy "auto" for one Session. Registers itself as the session's tape observer for its lifetime; the
+/// session must outlive it.
+class AutoPlanner {
+ public:
+  explicit AutoPlanner(replay::Session& session, AutoPlannerOptions options = {});
+  ~AutoPlanner();
+  AutoPlanner(const AutoPlanner&) = delete;
+  AutoPlanner& operator=(const AutoPlanner&) = delete;
+
+  /// Forgets the calls of the previous step (called when a step starts).
+  void begin_step() { calls_.clear(); }
+
+  /// Plans the observed calls under `limit` bytes, calibrated on `measured_peak` bytes, and installs the plan in the
+  /// session. Returns the planner's part of PlanInfo (reserve, margin, reason and step are the caller's). Throws
+  /// tapesac::Error: kGeneric before any observed call, kMemoryLimit when no plan fits the limit.
+  PlanInfo plan(int64_t limit, int64_t measured_peak);
+
+  /// The step-level frontier of the last step's problems with the op costs measured so far: the best plan at
+  /// `points` (>= 2) limits spread between the smallest feasible peak and the keep-everything peak, under the peak
+  /// model of the last plan. Throws tapesac::Error (kGeneric) before the first plan.
+  std::vector<FrontierPoint> frontier(int points) const;
+
+  /// The last observed problem of the block call `index` in planner text format (for fixtures and debugging).
+  /// Throws tapesac::Error (kConfig) for an index past the last step's calls.
+  std::string dump_problem(size_t index) const;
+
+  /// Block calls observed since begin_step().
+  size_t observed_calls() const { return calls_.size(); }
+
+ private:
+  struct Call {
+    std::string name;
+    uint64_t signature;
+    std::shared_ptr<const planner::BlockProblem> problem;
+    std::vector<uint8_t> kept;
+  };
+  /// The problems of the last step's calls with the op costs measured so far, the step input built from them, and
+  /// what the plan that ran kept per call.
+  struct Prepared {
+    planner::StepInput input;
+    std::vector<int64_t> kept_ref, ws_ref;
+    int64_t sum_kept = 0;
+    int64_t max_ws = 0;
+  };
+
+  Prepared prepare() const;
+  planner::BlockProblem problem_with_costs(const Call& c) const;
+  planner::StepProfile step_profile() const;
+  planner::StepPlan plan_step(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
+                              int64_t limit) const;
+  PlanInfo install(const planner::StepPlan& plan);
+  void observe(const replay::BlockTapeView& view);
+
+  replay::Session& session_;
+  AutoPlannerOptions options_;
+  planner::CostModel cost_model_;
+  std::unordered_map<std::string, std::shared_ptr<const planner::BlockProblem>> problems_;
+  std::vector<Call> calls_;
+  planner::PeakModel last_model_;
+  planner::SequencePeakModel seq_;
+  bool last_used_seq_ = false;
+  planner::StepInput last_input_;
+};
+
+}  // namespace tapesac::runtime

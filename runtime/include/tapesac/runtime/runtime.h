@@ -1,0 +1,78 @@
+// Runtime: what happens between the steps of one TapeSAC — the one object the Python front calls around a step.
+//
+// Contract.
+//  * before_step() sets the limit the step's replays enforce: policy "auto"'s measuring step (no plan yet) runs
+//    without it, so that an infeasible limit is reported by the planner with the smallest feasible one rather than
+//    by the first replay that does not fit; likewise the steps on which preserve="auto" measures its trials.
+//  * after_step(peak, step) reads the session's last step and, with policy "auto", plans again when the replan
+//    policy says so (Note [Replan policy]) leaving room for pending graphs (Note [Graph reserve]); then it updates
+//    the preservation choices (Note [Preservation choice]). Call it only after a step that finished; it throws
+//    tapesac::Error (kMemoryLimit) for an infeasible limit.
+//  * set_memory_limit() applies a new limit to the session and the graphs, lets preserve="auto" choose again and
+//    drops the plan (the next step is planned again under the new limit, the plan history stays).
+//  * The session must outlive the Runtime. Not thread-safe: one step at a time, between steps.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "tapesac/replay/session.h"
+#include "tapesac/runtime/auto_planner.h"
+#include "tapesac/runtime/plan_info.h"
+#include "tapesac/runtime/preservation_chooser.h"
+#include "tapesac/runtime/replan_policy.h"
+
+namespace tapesac::runtime {
+
+struct RuntimeOptions {
+  /// Policy "auto": plan under memory_limit (which must then be > 0).
+  bool plan = false;
+  /// The step-peak limit in bytes (0: none).
+  int64_t memory_limit = 0;
+  AutoPlannerOptions planner;
+  ReplanOptions replan;
+  PreservationChooserOptions preservation;
+};
+
+/// The between-steps runtime of one Session (see the contract above).
+class Runtime {
+ public:
+  /// Throws tapesac::Error (kConfig) for policy "auto" without a limit.
+  Runtime(replay::Session& session, RuntimeOptions options);
+
+  /// Before the session's begin_step(): forgets the planner's calls and sets the step's enforced limit (returned).
+  int64_t before_step();
+  /// After a finished step whose measured peak was `measured_peak_bytes` (`step`: its number, 1 for the first):
+  /// re-plans if needed and updates the preservation choices.
+  void after_step(int64_t measured_peak_bytes, int64_t step);
+  /// A new limit (bytes, 0: none). Throws tapesac::Error (kConfig) for 0 under policy "auto".
+  void set_memory_limit(int64_t bytes);
+  int64_t memory_limit() const { return limit_; }
+
+  /// Policy "auto": the plan in use (null before the first plan, after a new limit, or without a planner).
+  const PlanInfo* plan() const { return plan_ ? &*plan_ : nullptr; }
+  /// Every plan made so far, oldest first, without their per-call figures.
+  const std::vector<PlanInfo>& plans() const { return plans_; }
+  /// The planner's frontier (AutoPlanner::frontier). Throws tapesac::Error (kGeneric) without a planner.
+  std::vector<FrontierPoint> frontier(int points) const;
+  /// The planner (null unless policy "auto").
+  AutoPlanner* planner() const { return planner_.get(); }
+  const ReplanPolicy& replan_policy() const { return replan_; }
+  const PreservationChooser& preservation() const { return chooser_; }
+
+ private:
+  void replan_if_needed(int64_t measured_peak_bytes, int64_t step);
+  void choose_preservation(int64_t measured_peak_bytes);
+
+  replay::Session& session_;
+  int64_t limit_;
+  std::unique_ptr<AutoPlanner> planner_;
+  ReplanPolicy replan_;
+  PreservationChooser chooser_;
+  std::optional<PlanInfo> plan_;
+  std::vector<PlanInfo> plans_;
+};
+
+}  // namespace tapesac::runtime

@@ -1,0 +1,207 @@
+// AutoPlanner (auto_planner.h): observing block tapes, calibrating the peak models, planning, the frontier sweep.
+#include "tapesac/runtime/auto_planner.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <unordered_set>
+#include <utility>
+
+#include "tapesac/common/bytes.h"
+#include "tapesac/common/clock.h"
+#include "tapesac/common/errors.h"
+#include "tapesac/planner/evaluate.h"
+#include "tapesac/planner/problem_io.h"
+
+namespace tapesac::runtime {
+namespace {
+
+std::string hex_signature(uint64_t s) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(s));
+  return buf;
+}
+
+}  // namespace
+
+std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes) {
+  return "tapesac: memory_limit " + common::format_bytes(limit_bytes) + " (" + std::to_string(limit_bytes) +
+         " bytes) is below the smallest feasible step peak " + common::format_bytes(smallest_feasible_bytes) + " (" +
+         std::to_string(smallest_feasible_bytes) +
+         " bytes: parameters, gradients and activations outside the blocks as measured in the first step, plus the "
+         "least every block must keep, plus one block's replay). Raise memory_limit to at least " +
+         std::to_string(smallest_feasible_bytes) + " bytes, or lower the batch size or sequence length.";
+}
+
+AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
+    : session_(session), options_(options), cost_model_(options.cost_window) {
+  session_.set_tape_observer([this](const replay::BlockTapeView& view) { observe(view); });
+}
+
+AutoPlanner::~AutoPlanner() { session_.set_tape_observer(nullptr); }
+
+PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak) {
+  TAPESAC_CHECK(!calls_.empty(), kGeneric,
+                "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
+  const common::Stopwatch clock;
+  const Prepared prep = prepare();
+  const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, prep.sum_kept, prep.max_ws);
+  // The sequence model, calibrated on the last step whose every block call replayed (its memory profile is
+  // complete); kept while the calls stay the same.
+  const planner::SequencePeakModel seq =
+      planner::SequencePeakModel::calibrate(step_profile(), prep.kept_ref, prep.ws_ref);
+  if (seq.valid) {
+    seq_ = seq;
+  } else if (seq_.backward_c.size() != calls_.size()) {
+    seq_ = planner::SequencePeakModel{};
+  }
+  const bool use_seq = options_.sequence_model && seq_.valid;
+  planner::StepPlan plan;
+  try {
+    plan = plan_step(prep.input, use_seq, model, limit);
+  } catch (const planner::InfeasibleLimitError& e) {
+    throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes()));
+  }
+  PlanInfo out = install(plan);
+  last_model_ = model;
+  last_input_ = prep.input;
+  last_used_seq_ = use_seq;
+  out.limit = limit;
+  out.baseline_bytes = model.baseline_bytes;
+  out.model = use_seq ? "sequence" : "additive";
+  out.model_calibrated_now = seq.valid;
+  out.signatures = static_cast<int64_t>(prep.input.frontiers.size());
+  out.planning_ms = clock.elapsed_ms();
+  return out;
+}
+
+planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool sequence,
+                                         const planner::PeakModel& model, int64_t limit) const {
+  return sequence ? planner::plan_step(input, seq_, limit) : planner::plan_step(input, model, limit);
+}
+
+/// Installs `plan` in the session (one BlockPlan per call name) and returns its figures per call and in total.
+PlanInfo AutoPlanner::install(const planner::StepPlan& plan) {
+  std::unordered_map<std::string, replay::BlockPlan> plans;
+  PlanInfo out;
+  for (size_t i = 0; i < calls_.size(); ++i) {
+    const planner::CallPlan& cp = plan.calls[i];
+    plans.emplace(calls_[i].name, replay::BlockPlan{calls_[i].signature, cp.keep});
+    CallPlanInfo c;
+    c.name = calls_[i].name;
+    c.kept_bytes = cp.kept_bytes;
+    c.working_set_bytes = cp.working_set_bytes;
+    c.replay_cost_ns = cp.replay_cost_ns;
+    for (uint8_t k : cp.keep) c.kept_candidates += k;
+    c.candidates = static_cast<int64_t>(cp.keep.size());
+    out.calls.push_back(std::move(c));
+  }
+  session_.set_plans(std::move(plans));
+  out.predicted_peak_bytes = plan.predicted_peak_bytes;
+  out.replay_cost_ns = plan.replay_cost_ns;
+  out.replay_cost_lower_bound_ns = plan.replay_cost_lower_bound_ns;
+  out.sum_kept_bytes = plan.sum_kept_bytes;
+  out.max_working_set_bytes = plan.max_working_set_bytes;
+  out.min_feasible_peak_bytes = plan.min_feasible_peak_bytes;
+  out.keep_all_peak_bytes = plan.keep_all_peak_bytes;
+  out.keeps_everything = plan.keeps_everything;
+  return out;
+}
+
+std::vector<FrontierPoint> AutoPlanner::frontier(int points) const {
+  TAPESAC_CHECK(!last_input_.frontiers.empty() && !calls_.empty(), kGeneric,
+                "tapesac: no plan yet; frontier() needs policy='auto' and one finished step");
+  const Prepared prep = prepare();
+  const bool seq = last_used_seq_ && seq_.backward_c.size() == prep.input.calls.size();
+  const planner::StepPlan lo = plan_step(prep.input, seq, last_model_, INT64_MAX);
+  const int64_t hi_peak = lo.keep_all_peak_bytes;
+  const int64_t lo_peak = lo.min_feasible_peak_bytes;
+  const int n = std::max(points, 2);
+  std::vector<FrontierPoint> out;
+  for (int k = 0; k < n; ++k) {
+    const int64_t limit = lo_peak + (hi_peak - lo_peak) * k / (n - 1);
+    const planner::StepPlan p = plan_step(prep.input, seq, last_model_, limit);
+    out.push_back(FrontierPoint{limit, p.predicted_peak_bytes, p.replay_cost_ns, p.sum_kept_bytes});
+  }
+  return out;
+}
+
+std::string AutoPlanner::dump_problem(size_t index) const {
+  TAPESAC_CHECK(index < calls_.size(), kConfig, "no block call ", index, " in the last step");
+  std::ostringstream os;
+  planner::write_problem(os, problem_with_costs(calls_[index]));
+  return os.str();
+}
+
+/// The call's problem with the op costs measured so far (medians over recent calls of its signature).
+planner::BlockProblem AutoPlanner::problem_with_costs(const Call& c) const {
+  planner::BlockProblem p = *c.problem;
+  const std::vector<double> costs = cost_model_.costs(p.signature);
+  for (size_t i = 0; i < p.ops.size() && i < costs.size(); ++i) p.ops[i].cost_ns = costs[i];
+  return p;
+}
+
+AutoPlanner::Prepared AutoPlanner::prepare() const {
+  Prepared out;
+  std::vector<planner::BlockProblem> problems;
+  problems.reserve(calls_.size());
+  for (const Call& c : calls_) {
+    planner::BlockProblem p = problem_with_costs(c);
+    out.kept_ref.push_back(planner::kept_bytes(p, c.kept));
+    out.ws_ref.push_back(planner::replay_working_set_bytes(p, c.kept));
+    out.sum_kept += out.kept_ref.back();
+    out.max_ws = std::max(out.max_ws, out.ws_ref.back());
+    problems.push_back(std::move(p));
+  }
+  std::vector<const planner::BlockProblem*> ptrs;
+  for (const auto& p : problems) ptrs.push_back(&p);
+  out.input = planner::build_step_input(ptrs);
+  return out;
+}
+
+/// The memory profile of the session's last step for the observed calls (invalid when a call did not replay or two
+/// calls share a name).
+planner::StepProfile AutoPlanner::step_profile() const {
+  const replay::StepMemoryStats& m = session_.last_memory();
+  std::unordered_map<std::string, int64_t> first_replay;
+  std::unordered_map<std::string, std::pair<int64_t, int64_t>> forward;
+  for (const replay::TimelineSpan& sp : m.spans) {
+    if (sp.kind == "forward") {
+      if (!forward.emplace(sp.block, std::make_pair(sp.begin_ns, sp.end_ns)).second) return {};
+      continue;
+    }
+    if (sp.kind != "replay") continue;
+    auto [it, inserted] = first_replay.emplace(sp.block, sp.begin_ns);
+    if (!inserted) it->second = std::min(it->second, sp.begin_ns);
+  }
+  std::vector<int64_t> starts, fwd_begin, fwd_end;
+  std::unordered_set<std::string> names;
+  for (const Call& c : calls_) {
+    if (!names.insert(c.name).second) return {};
+    auto it = first_replay.find(c.name);
+    starts.push_back(it == first_replay.end() ? -1 : it->second);
+    auto f = forward.find(c.name);
+    if (f == forward.end()) return {};
+    fwd_begin.push_back(f->second.first);
+    fwd_end.push_back(f->second.second);
+  }
+  std::vector<planner::TimedBytes> timeline;
+  timeline.reserve(m.timeline.size());
+  for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes});
+  return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
+}
+
+void AutoPlanner::observe(const replay::BlockTapeView& v) {
+  const std::string sig = hex_signature(v.signature);
+  cost_model_.observe(sig, planner::measured_costs(v.tape));
+  auto it = problems_.find(sig);
+  if (it == problems_.end()) {
+    if (problems_.size() > options_.max_problems) problems_.clear();
+    auto p = std::make_shared<const planner::BlockProblem>(planner::problem_from_tape(
+        v.tape, v.candidates, v.must_keep, std::vector<double>(v.tape.ops().size(), 0.0), sig));
+    it = problems_.emplace(sig, std::move(p)).first;
+  }
+  calls_.push_back(Call{v.name, v.signature, it->second, v.kept});
+}
+
+}  // namespace tapesac::runtime

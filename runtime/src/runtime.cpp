@@ -1,0 +1,94 @@
+// Runtime (runtime.h): the step prelude, re-planning and the preservation choice between steps.
+#include "tapesac/runtime/runtime.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "tapesac/common/errors.h"
+#include "tapesac/runtime/graph_reserve.h"
+
+namespace tapesac::runtime {
+
+Runtime::Runtime(replay::Session& session, RuntimeOptions options)
+    : session_(session), limit_(options.memory_limit), replan_(options.replan), chooser_(options.preservation) {
+  TAPESAC_CHECK(limit_ >= 0, kConfig, "memory_limit must be >= 0 bytes (0: none), got ", limit_);
+  session_.set_graph_memory_limit(limit_);
+  if (options.plan) {
+    TAPESAC_CHECK(limit_ > 0, kConfig,
+                  "policy='auto' plans under a memory limit: pass memory_limit (bytes, e.g. '20GiB', or '90%' of the "
+                  "device's memory), or use policy='full' / 'none' without one");
+    planner_ = std::make_unique<AutoPlanner>(session_, options.planner);
+  }
+}
+
+int64_t Runtime::before_step() {
+  int64_t enforced = limit_;
+  if (planner_) {
+    planner_->begin_step();
+    if (!plan_) enforced = 0;  // the measuring step
+  } else if (limit_ != 0 && chooser_.exploring()) {
+    enforced = 0;  // a preservation trial
+  }
+  if (planner_ || limit_ != 0) session_.set_memory_limit(enforced);
+  return enforced;
+}
+
+void Runtime::after_step(int64_t measured_peak_bytes, int64_t step) {
+  replan_if_needed(measured_peak_bytes, step);
+  choose_preservation(measured_peak_bytes);
+}
+
+void Runtime::replan_if_needed(int64_t measured, int64_t step) {
+  if (!planner_ || session_.last_summary().block_calls == 0) return;
+  session_.set_memory_limit(limit_);
+  const auto& blocks = session_.last_stats();
+  const bool unplanned =
+      std::any_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return !b.planned; });
+  const StepOutcome outcome{limit_, measured, unplanned};
+  const ReplanDecision d = replan_.decide(plan(), outcome);
+  if (!d.replan) return;
+  replay::GraphCache* graphs = session_.graph_cache();
+  ReservedPlan r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0,
+                                           [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on); });
+  if (r.capture && graphs) graphs->set_capture_enabled(*r.capture);
+  PlanInfo& info = r.plan;
+  info.graph_reserve_bytes = r.reserve_bytes;
+  info.predicted_peak_bytes += r.reserve_bytes;
+  info.limit = limit_;
+  info.margin_bytes = d.margin_bytes;
+  info.reason = d.reason;
+  info.after_step = step;
+  info.measured_peak_bytes = measured;
+  plan_ = std::move(info);
+  plans_.push_back(*plan_);
+  plans_.back().calls.clear();
+}
+
+void Runtime::choose_preservation(int64_t measured_peak_bytes) {
+  const PreservationStep step = PreservationStep::of(session_.last_preserved(),
+                                                     session_.last_summary().totals.replay_ns, measured_peak_bytes);
+  if (chooser_.after_step(step, limit_)) chooser_.apply(session_);
+}
+
+void Runtime::set_memory_limit(int64_t bytes) {
+  TAPESAC_CHECK(bytes >= 0, kConfig, "memory_limit must be >= 0 bytes (0: none), got ", bytes);
+  TAPESAC_CHECK(!planner_ || bytes != 0, kConfig,
+                "policy='auto' needs a memory_limit; to run without one create a TapeSAC with policy='full' or "
+                "'none'");
+  session_.set_memory_limit(bytes);
+  session_.set_graph_memory_limit(bytes);
+  limit_ = bytes;
+  if (chooser_.set_limit(bytes)) chooser_.apply(session_);
+  if (planner_ && plan_) {
+    plan_.reset();  // re-plan after the next step, under the new limit
+    replan_.reset();
+  }
+}
+
+std::vector<FrontierPoint> Runtime::frontier(int points) const {
+  TAPESAC_CHECK(planner_ != nullptr, kGeneric, "tapesac: no plan yet; frontier() needs policy='auto' and one "
+                "finished step");
+  return planner_->frontier(points);
+}
+
+}  // namespace tapesac::runtime

@@ -71,7 +71,6 @@ void Runtime::choose_preservation(int64_t measured_peak_bytes) {
 }
 
 void Runtime::set_memory_limit(int64_t bytes) {
-  TAPESAC_CHECK(bytes >= 0, kConfig, "memory_limit must be >= 0 bytes (0: none), got ", bytes);
   TAPESAC_CHECK(!planner_ || bytes != 0, kConfig,
                 "policy='auto' needs a memory_limit; to run without one create a TapeSAC with policy='full' or "
                 "'none'");

@@ -47,7 +47,8 @@ class Runtime {
   /// After a finished step whose measured peak was `measured_peak_bytes` (`step`: its number, 1 for the first):
   /// re-plans if needed and updates the preservation choices.
   void after_step(int64_t measured_peak_bytes, int64_t step);
-  /// A new limit (bytes, 0: none). Throws tapesac::Error (kConfig) for 0 under policy "auto".
+  /// A new limit (bytes, 0: none). Throws tapesac::Error (kConfig) for 0 under policy "auto" and (from the
+  /// session) for a negative one.
   void set_memory_limit(int64_t bytes);
   int64_t memory_limit() const { return limit_; }
 

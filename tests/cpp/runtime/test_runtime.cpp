@@ -1,0 +1,276 @@
+// The Runtime (runtime/runtime.h) and its AutoPlanner on a real replay::Session over tiny torch ops: the measuring
+// step, planning after it, a new tape, an infeasible limit, a new limit, the frontier, and the preservation trials
+// running without the limit. The saved tensors are packed by hand, as autograd's saved-tensor hooks would.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "tapesac/common/errors.h"
+#include "tapesac/runtime/runtime.h"
+
+namespace tapesac::runtime {
+namespace {
+
+using replay::PolicyKind;
+using replay::SavedSlot;
+using replay::Session;
+using replay::SessionOptions;
+
+constexpr int64_t kDim = 128;  // values of 32 KiB and more: far above the planner's 4 KiB accounting tolerance
+
+std::unique_ptr<Session> make_session(PolicyKind policy) {
+  SessionOptions o;
+  o.policy = policy;
+  return std::make_unique<Session>(o);
+}
+
+RuntimeOptions auto_options(int64_t limit) {
+  RuntimeOptions o;
+  o.plan = true;
+  o.memory_limit = limit;
+  return o;
+}
+
+/// The step peak as the Python front measures it on CPU: the baseline plus the step counter's peak.
+int64_t measured_peak(const Session& s) { return s.last_memory().baseline + s.last_memory().total.peak; }
+
+/// One step of four blocks (mm, relu, mm) on `rows` x kDim inputs: before_step, the forwards (relu's result packed
+/// as autograd saves it), a backward that unpacks in reverse block order, end_step. Returns the measured peak. (With
+/// four blocks, dropping costs less than keeping: one replay's working set is two of the values kept.)
+int64_t run_step(Session& s, Runtime& rt, const torch::Tensor& w, int64_t rows) {
+  rt.before_step();
+  s.begin_step({w});
+  std::vector<std::unique_ptr<SavedSlot>> saved;
+  torch::Tensor x = torch::randn({rows, kDim});
+  for (const char* name : {"b0", "b1", "b2", "b3"}) {
+    auto call = s.begin_block(name);
+    EXPECT_NE(call, nullptr);
+    const torch::Tensor r = torch::relu(torch::mm(x, w));
+    saved.push_back(std::make_unique<SavedSlot>(call, call->pack(r)));
+    x = torch::mm(r, w);
+    s.end_block();
+  }
+  for (auto it = saved.rbegin(); it != saved.rend(); ++it) (*it)->unpack();
+  saved.clear();
+  s.end_step();
+  return measured_peak(s);
+}
+
+/// The "N" of "... at least N bytes" in an infeasible-limit message.
+int64_t smallest_named(const std::string& msg) {
+  const size_t at = msg.find("at least ");
+  EXPECT_NE(at, std::string::npos) << msg;
+  return std::stoll(msg.substr(at + 9));
+}
+
+TEST(Runtime, TheFirstStepMeasuresWithoutTheLimitThenEveryStepRunsThePlan) {
+  const auto w = torch::randn({kDim, kDim});
+  auto s = make_session(PolicyKind::kPlan);
+  const int64_t limit = int64_t{1} << 30;
+  Runtime rt(*s, auto_options(limit));
+  EXPECT_EQ(rt.plan(), nullptr);
+  EXPECT_EQ(s->options().graph_memory_limit, limit);
+
+  EXPECT_EQ(rt.before_step(), 0);  // the measuring step
+  EXPECT_EQ(s->options().memory_limit, 0);
+  const int64_t peak = run_step(*s, rt, w, 64);
+  ASSERT_EQ(rt.planner()->observed_calls(), 4u);
+  rt.after_step(peak, 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  const PlanInfo& p = *rt.plan();
+  EXPECT_EQ(p.reason, "first step");
+  EXPECT_EQ(p.after_step, 1);
+  EXPECT_EQ(p.limit, limit);
+  EXPECT_EQ(p.measured_peak_bytes, peak);
+  EXPECT_EQ(p.margin_bytes, 0);
+  EXPECT_EQ(p.graph_reserve_bytes, 0);
+  EXPECT_TRUE(p.keeps_everything);  // a limit far above the step
+  EXPECT_EQ(p.signatures, 1);        // four calls of one tape
+  ASSERT_EQ(p.calls.size(), 4u);
+  EXPECT_EQ(p.calls[0].name, "b0");
+  EXPECT_EQ(p.calls[3].name, "b3");
+  EXPECT_EQ(p.calls[0].kept_candidates, p.calls[0].candidates);
+  EXPECT_GT(p.calls[0].candidates, 0);
+  EXPECT_EQ(s->plans().size(), 4u);  // installed in the session
+  EXPECT_EQ(s->options().memory_limit, limit);
+
+  EXPECT_EQ(rt.before_step(), limit);
+  rt.after_step(run_step(*s, rt, w, 64), 2);
+  for (const auto& b : s->last_stats()) EXPECT_TRUE(b.planned) << b.name;
+  EXPECT_EQ(rt.plans().size(), 1u);  // the plan held: no new one
+
+  rt.after_step(run_step(*s, rt, w, 96), 3);  // new shapes: no plan for the tape
+  for (const auto& b : s->last_stats()) EXPECT_FALSE(b.planned) << b.name;
+  ASSERT_EQ(rt.plans().size(), 2u);
+  EXPECT_EQ(rt.plans()[0].reason, "first step");
+  EXPECT_EQ(rt.plans()[1].reason, "new tape");
+  EXPECT_EQ(rt.plans()[1].after_step, 3);
+  EXPECT_TRUE(rt.plans()[1].calls.empty());  // the history keeps no per-call figures
+  EXPECT_EQ(rt.plan()->calls.size(), 4u);
+  s->shutdown();
+}
+
+TEST(Runtime, AnInfeasibleLimitNamesTheSmallestFeasibleOneWhichPlans) {
+  const auto w = torch::randn({kDim, kDim});
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(1000));
+  const int64_t peak = run_step(*s, rt, w, 64);  // runs: the measuring step does not enforce the limit
+  int64_t smallest = 0;
+  try {
+    rt.after_step(peak, 1);
+    FAIL() << "a 1000-byte limit planned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kMemoryLimit);
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("(1000 bytes) is below the smallest feasible step peak"), std::string::npos) << msg;
+    smallest = smallest_named(msg);
+  }
+  EXPECT_GT(smallest, 1000);
+  EXPECT_EQ(rt.plan(), nullptr);
+  EXPECT_EQ(rt.before_step(), 0);  // still measuring
+  s->shutdown();
+
+  auto s2 = make_session(PolicyKind::kPlan);
+  Runtime rt2(*s2, auto_options(smallest));
+  rt2.after_step(run_step(*s2, rt2, w, 64), 1);
+  ASSERT_NE(rt2.plan(), nullptr);
+  EXPECT_LE(rt2.plan()->predicted_peak_bytes, smallest);
+  EXPECT_FALSE(rt2.plan()->keeps_everything);
+  s2->shutdown();
+}
+
+TEST(Runtime, InfeasibleLimitMessageSaysWhatHowMuchAndHowToFix) {
+  EXPECT_EQ(infeasible_limit_message(4'000'000, 5'242'880),
+            "tapesac: memory_limit 3.81 MiB (4000000 bytes) is below the smallest feasible step peak 5.00 MiB "
+            "(5242880 bytes: parameters, gradients and activations outside the blocks as measured in the first step, "
+            "plus the least every block must keep, plus one block's replay). Raise memory_limit to at least 5242880 "
+            "bytes, or lower the batch size or sequence length.");
+}
+
+TEST(Runtime, ANewLimitDropsThePlanAndPolicyAutoNeedsOne) {
+  auto s = make_session(PolicyKind::kPlan);
+  try {
+    Runtime bad(*s, auto_options(0));
+    FAIL() << "policy auto without a limit";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kConfig);
+    EXPECT_NE(std::string(e.what()).find("plans under a memory limit"), std::string::npos);
+  }
+  const auto w = torch::randn({kDim, kDim});
+  Runtime rt(*s, auto_options(int64_t{1} << 30));
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  try {
+    rt.set_memory_limit(0);
+    FAIL() << "policy auto accepted no limit";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kConfig);
+    EXPECT_NE(std::string(e.what()).find("policy='auto' needs a memory_limit"), std::string::npos);
+  }
+  EXPECT_NE(rt.plan(), nullptr);  // a refused limit changes nothing
+  const int64_t limit = int64_t{1} << 29;
+  rt.set_memory_limit(limit);
+  EXPECT_EQ(rt.plan(), nullptr);
+  EXPECT_EQ(rt.plans().size(), 1u);
+  EXPECT_EQ(rt.memory_limit(), limit);
+  EXPECT_EQ(s->options().memory_limit, limit);
+  EXPECT_EQ(s->options().graph_memory_limit, limit);
+  EXPECT_EQ(rt.before_step(), 0);  // measuring again under the new limit
+  rt.after_step(run_step(*s, rt, w, 64), 2);
+  ASSERT_EQ(rt.plans().size(), 2u);
+  EXPECT_EQ(rt.plan()->reason, "first step");
+  EXPECT_EQ(rt.plan()->limit, limit);
+  s->shutdown();
+}
+
+TEST(Runtime, TheFrontierRunsFromTheSmallestFeasiblePeakToKeepingEverything) {
+  const auto w = torch::randn({kDim, kDim});
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(int64_t{1} << 30));
+  EXPECT_THROW(rt.frontier(4), Error);  // no plan yet
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  const std::vector<FrontierPoint> f = rt.frontier(5);
+  ASSERT_EQ(f.size(), 5u);
+  for (size_t i = 1; i < f.size(); ++i) {
+    EXPECT_GT(f[i].limit_bytes, f[i - 1].limit_bytes);
+    EXPECT_GE(f[i].predicted_peak_bytes, f[i - 1].predicted_peak_bytes);
+    EXPECT_LE(f[i].replay_cost_ns, f[i - 1].replay_cost_ns);
+  }
+  EXPECT_GT(f.front().replay_cost_ns, 0.0);  // the smallest feasible plan replays
+  EXPECT_EQ(f.back().replay_cost_ns, 0.0);   // keeping everything replays nothing
+  EXPECT_EQ(f.back().limit_bytes, rt.plan()->keep_all_peak_bytes);
+  EXPECT_EQ(rt.planner()->dump_problem(3).rfind("tapesac-plan-problem ", 0), 0u);
+  EXPECT_THROW(rt.planner()->dump_problem(4), Error);
+
+  auto plain = make_session(PolicyKind::kFull);
+  Runtime none(*plain, RuntimeOptions{});
+  EXPECT_EQ(none.planner(), nullptr);
+  EXPECT_THROW(none.frontier(4), Error);
+  s->shutdown();
+  plain->shutdown();
+}
+
+/// One step of one block that reads rows of `bank` (index_select; its result is packed and dropped, so the replay
+/// reads the bank), then writes those rows in place before the backward. Returns the measured peak.
+int64_t bank_step(Session& s, Runtime& rt, const torch::Tensor& w, torch::Tensor& bank, int64_t* enforced) {
+  *enforced = rt.before_step();
+  s.begin_step({w});
+  const auto ids = torch::arange(0, 64, 2);
+  std::unique_ptr<SavedSlot> saved;
+  {
+    auto call = s.begin_block("bank");
+    const torch::Tensor g = torch::index_select(bank, 0, ids);
+    saved = std::make_unique<SavedSlot>(call, call->pack(g));
+    torch::mm(g, w);
+    s.end_block();
+  }
+  bank.index_fill_(0, ids, 1.0);
+  saved->unpack();
+  saved.reset();
+  s.end_step();
+  return measured_peak(s);
+}
+
+TEST(Runtime, PreserveAutoMeasuresItsTrialsWithoutTheLimitThenKeepsTheBest) {
+  const auto w = torch::randn({kDim, kDim});
+  auto bank = torch::randn({64, kDim});
+  const void* key = bank.storage().unsafeGetStorageImpl();
+  auto s = make_session(PolicyKind::kFull);
+  RuntimeOptions o;
+  o.memory_limit = int64_t{1} << 30;
+  o.preservation.policy = PreservePolicy::kAuto;
+  Runtime rt(*s, o);
+  std::vector<int64_t> enforced(5);
+  for (int64_t step = 1; step <= 4; ++step) {
+    const int64_t peak = bank_step(*s, rt, w, bank, &enforced[static_cast<size_t>(step)]);
+    if (step == 1) {
+      ASSERT_EQ(s->last_preserved().size(), 1u);
+      EXPECT_EQ(s->last_preserved()[0].key, key);
+    }
+    rt.after_step(peak, step);
+    if (step == 2) {
+      EXPECT_EQ(s->keep_dependents().count(key), 1u);  // the keep trial comes next
+    }
+  }
+  // Step 1 found the write (under regions), steps 2-4 were the trials of snapshots and keep and ran the choice.
+  EXPECT_EQ(enforced[1], o.memory_limit);
+  EXPECT_EQ(enforced[2], 0);
+  EXPECT_EQ(enforced[3], 0);
+  EXPECT_EQ(enforced[4], o.memory_limit);
+  const auto& trials = rt.preservation().trials();
+  ASSERT_EQ(trials.size(), 3u);
+  EXPECT_EQ(trials[0].mode, PreserveChoice::kRegions);
+  EXPECT_EQ(trials[1].mode, PreserveChoice::kSnapshots);
+  EXPECT_EQ(trials[2].mode, PreserveChoice::kKeep);
+  ASSERT_TRUE(rt.preservation().chosen().has_value());
+  EXPECT_EQ(*rt.preservation().chosen(), pick_preservation(trials, o.memory_limit));
+  EXPECT_EQ(rt.preservation().choices().at(key), *rt.preservation().chosen());
+  EXPECT_EQ(s->keep_dependents().count(key), *rt.preservation().chosen() == PreserveChoice::kKeep ? 1u : 0u);
+  s->shutdown();
+}
+
+}  // namespace
+}  // namespace tapesac::runtime

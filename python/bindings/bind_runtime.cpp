@@ -15,12 +15,9 @@ namespace py = pybind11;
 namespace tapesac::python {
 namespace {
 
+using python::to_py;  // the scalars (bindings.h), beside the overload below
 using runtime::Runtime;
 
-py::object to_py(int64_t v) { return py::int_(v); }
-py::object to_py(double v) { return py::float_(v); }
-py::object to_py(bool v) { return py::bool_(v); }
-py::object to_py(const std::string& v) { return py::str(v); }
 py::object to_py(const std::vector<runtime::CallPlanInfo>& calls) {
   py::list out;
   for (const runtime::CallPlanInfo& c : calls) {

@@ -14,10 +14,8 @@ namespace tapesac::python {
 namespace {
 
 using replay::Session;
+using python::to_py;  // the scalars (bindings.h), beside the overload below
 
-py::object to_py(int64_t v) { return py::int_(v); }
-py::object to_py(bool v) { return py::bool_(v); }
-py::object to_py(const std::string& v) { return py::str(v); }
 py::object to_py(const replay::OpTimes& v) {
   py::list out;  // (tape op, op name, ns)
   for (const replay::OpTime& t : v) out.append(py::make_tuple(t.op, t.name, t.ns));

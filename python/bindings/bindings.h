@@ -1,6 +1,9 @@
 // Registration functions of the _C module, one per C++ module (bind_<module>.cpp). Bindings only register: no logic.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 #include <pybind11/pybind11.h>
 
 #include "tapesac/allocator/telemetry.h"
@@ -22,5 +25,11 @@ void bind_session_results(pybind11::class_<replay::Session>& c);
 
 /// {current, peak, allocated, allocations} of a gauge.
 pybind11::dict gauge_to_dict(const allocator::Gauge& g);
+
+/// The Python object of a scalar field (statistics, plans): one conversion for every binding's field loop.
+inline pybind11::object to_py(int64_t v) { return pybind11::int_(v); }
+inline pybind11::object to_py(double v) { return pybind11::float_(v); }
+inline pybind11::object to_py(bool v) { return pybind11::bool_(v); }
+inline pybind11::object to_py(const std::string& v) { return pybind11::str(v); }
 
 }  // namespace tapesac::python

@@ -1,11 +1,10 @@
-// Bindings of allocator/: the MemoryMeter used by tapesac.MemoryMeter (a counter made active on the calling thread
-// between start() and stop()), and the conversion of gauges and timelines to Python objects.
-#include <optional>
-
+// Bindings of allocator/: MemoryMeter (allocator/meter.h, behind tapesac.MemoryMeter), the conversion of gauges to
+// Python objects, byte formatting, and the CUDA device's memory figures and graph device (GPU builds).
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings.h"
 #include "tapesac/allocator/limit.h"
+#include "tapesac/allocator/meter.h"
 #include "tapesac/allocator/telemetry.h"
 #include "tapesac/common/bytes.h"
 #include "tapesac/common/errors.h"
@@ -17,33 +16,6 @@
 namespace py = pybind11;
 
 namespace tapesac::python {
-namespace {
-
-using allocator::CountingAllocatorUse;
-using allocator::MemoryCounter;
-using allocator::ScopedCounter;
-
-class MemoryMeter {
- public:
-  void start() {
-    TAPESAC_CHECK(!scope_, kGeneric, "tapesac: MemoryMeter.start() called twice; use one meter per `with` block");
-    use_ = std::make_unique<CountingAllocatorUse>();
-    counter_ = std::make_shared<MemoryCounter>(0);
-    scope_.emplace(counter_);
-  }
-  void stop() {
-    scope_.reset();
-    use_.reset();
-  }
-  allocator::Gauge gauge() const { return counter_ ? counter_->total() : allocator::Gauge{}; }
-
- private:
-  std::unique_ptr<CountingAllocatorUse> use_;
-  std::shared_ptr<MemoryCounter> counter_;
-  std::optional<ScopedCounter> scope_;
-};
-
-}  // namespace
 
 py::dict gauge_to_dict(const allocator::Gauge& g) {
   py::dict d;
@@ -55,12 +27,12 @@ py::dict gauge_to_dict(const allocator::Gauge& g) {
 }
 
 void bind_allocator(py::module_& m) {
-  py::class_<MemoryMeter>(m, "MemoryMeter")
+  py::class_<allocator::MemoryMeter>(m, "MemoryMeter")
       .def(py::init<>())
-      .def("start", &MemoryMeter::start)
-      .def("stop", &MemoryMeter::stop)
-      .def("gauge", [](const MemoryMeter& mm) { return gauge_to_dict(mm.gauge()); });
-  m.def("counting_allocator_installed", &CountingAllocatorUse::installed,
+      .def("start", &allocator::MemoryMeter::start)
+      .def("stop", &allocator::MemoryMeter::stop)
+      .def("gauge", [](const allocator::MemoryMeter& mm) { return gauge_to_dict(mm.gauge()); });
+  m.def("counting_allocator_installed", &allocator::CountingAllocatorUse::installed,
         "Whether tapesac's counting layer is torch's CPU allocator now.");
   m.def("format_bytes", &common::format_bytes);
   m.def(

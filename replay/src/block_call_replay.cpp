@@ -22,6 +22,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   TAPESAC_INTERNAL_ASSERT(!s.released, "slot ", slot, " of block ", name_, " unpacked after its handle was freed");
   begin_backward();
   contract_.check_saved(s.version, s.saved_version, slot, s.value);
+  ++closed_stats_.unpacks;
   if (!s.dropped) return serve_kept(slot);
   const ValueId v = s.value;
   if (!cache_.count(v)) replay_for(v);

@@ -19,6 +19,7 @@
   X(int64_t, kept_bytes, kSum, "bytes of the kept tensors' storages")                                                \
   X(int64_t, dropped_bytes, kSum, "bytes of the dropped tensors' storages")                                          \
   X(int64_t, opaque_bytes, kSum, "bytes of the opaque tensors' storages")                                            \
+  X(int64_t, unpacks, kSum, "saved tensors served to the backward (kept ones and rebuilt ones)")                  \
   X(int64_t, replays, kSum, "replays run (each rebuilds the dropped values still needed)")                           \
   X(int64_t, ops_replayed, kSum, "ops those replays ran")                                                            \
   X(int64_t, replay_ns, kSum, "time spent replaying")                                                                \

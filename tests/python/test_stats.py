@@ -1,0 +1,65 @@
+"""BlockStats and StepStats are built from the C++ field list (README "Development", Note [Statistics defined once]):
+the Python fields follow the schema with the one unit conversion (_ns -> _ms), a step's totals (summed in C++) equal
+the sums over its block calls, every field is documented, and str() is a one-line summary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import models as M
+
+
+def _run(tapesac, policy: str, n: int = 3):
+    model = M.stack(n)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    x = M.x_in()
+    with sac.step():
+        model(x).sum().backward()
+    st = sac.last_step
+    sac.close()
+    return st
+
+
+def test_fields_follow_the_cpp_schema_with_one_unit_conversion(tapesac) -> None:
+    schema = tapesac._C.block_stats_schema()
+    names = {f.name for f in dataclasses.fields(tapesac.BlockStats)}
+    for name, kind, summed, doc in schema:
+        py = name[:-3] + "_ms" if name.endswith("_ns") else name
+        assert py in names, f"{name} from C++ is missing in BlockStats"
+        assert doc, name
+    assert len(names) == len(schema)
+    step_names = {f.name for f in dataclasses.fields(tapesac.StepStats)}
+    summed = {(n[:-3] + "_ms" if n.endswith("_ns") else n) for n, _, s, _ in schema if s}
+    assert summed <= step_names
+    assert {"replay_ms", "graph_device_ms", "unpacks", "saved_tensors", "approx_mlp"} <= summed
+    for f in ("replay_peak_bytes", "name", "graph_fallback"):
+        assert f not in summed
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_step_totals_are_the_sums_over_block_calls(tapesac, policy: str) -> None:
+    st = _run(tapesac, policy)
+    assert st.block_calls == len(st.blocks) == 3
+    summed = [n for n, _, s, _ in tapesac._C.block_stats_schema() if s]
+    for name in summed:
+        py = name[:-3] + "_ms" if name.endswith("_ns") else name
+        total = sum(getattr(b, py) for b in st.blocks)
+        assert getattr(st, py) == pytest.approx(total), py
+    # The demonstration counter (one line in block_stats.h, one where it is counted): every tensor an MLP block
+    # saves is unpacked once by its backward, kept or rebuilt.
+    assert st.unpacks == st.saved_tensors > 0
+    assert all(b.unpacks == b.saved_tensors for b in st.blocks)
+    if policy == "full":
+        assert st.replays > 0 and st.replay_ms > 0
+
+
+def test_str_is_one_short_line_and_repr_has_every_field(tapesac) -> None:
+    st = _run(tapesac, "full")
+    text = str(st)
+    assert "\n" not in text and len(text) < 300, text
+    assert "step 1" in text and "policy full" in text and "dropped" in text
+    assert str(st.blocks[0]).startswith("BlockStats(blocks.0:")
+    assert "graph_fallback_reasons=" in repr(st)
+    assert "StepStats" in tapesac.StepStats.__doc__ and "unpacks:" in tapesac.StepStats.__doc__

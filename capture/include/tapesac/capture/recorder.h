@@ -25,8 +25,8 @@
 #include "tapesac/capture/op_timer.h"
 #include "tapesac/capture/ptr_index_map.h"
 #include "tapesac/capture/tape.h"
-// Not needed by this header: kept while replay/session and the replay bindings reach storage_key / detached_alias
-// through it (they should include tensor_identity.h themselves).
+// Not needed by this header: kept while replay's block_call, contract and session sources and bind_replay.cpp reach
+// storage_key / detached_alias through it (they should include tensor_identity.h themselves).
 #include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::capture {

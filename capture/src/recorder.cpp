@@ -10,6 +10,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::capture {
 namespace {
@@ -40,18 +41,6 @@ bool contains_tensor(const c10::IValue& v) {
 }
 
 }  // namespace
-
-const void* storage_key(const at::Tensor& t) {
-  if (!t.has_storage()) return t.unsafeGetTensorImpl();
-  return t.storage().unsafeGetStorageImpl();
-}
-
-at::Tensor detached_alias(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto copy = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false);
-  return at::Tensor(std::move(copy));
-}
 
 TensorMeta meta_of(const at::Tensor& t) {
   TensorMeta m;

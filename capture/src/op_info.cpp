@@ -66,6 +66,9 @@ bool reads_meta_of_self(const std::string& name) {
   return false;
 }
 
+// See OpInfo::grad_mode_kernel.
+bool kernel_reads_grad_mode(const std::string& name) { return name == "aten::mkldnn_rnn_layer"; }
+
 std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
   auto info = std::make_unique<OpInfo>(h);
   const c10::FunctionSchema& schema = h.schema();
@@ -99,6 +102,7 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
     if (n == "generator") info->generator_arg = static_cast<int>(i);
   }
   info->uninitialized = leaves_bytes_unset(ns_name);
+  info->grad_mode_kernel = kernel_reads_grad_mode(ns_name);
   info->fill = ns_name == "aten::fill_";
   info->bytes_unread_arg.resize(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "tapesac/capture/op_kinds.h"
@@ -504,6 +505,8 @@ void Recorder::enter(const at::RecordFunction& fn) {
         f.args.push_back(v);
       }
     }
+    // See OpInfo::grad_mode_kernel: replay runs inside the backward, with grad mode off.
+    if (f.info->grad_mode_kernel && at::GradMode::is_enabled()) f.non_replayable = true;
     // A composite op's random children snapshot their own generator state; in the rare case the composite runs
     // itself, it is recorded without one and therefore never replayed.
     if (f.info->random && options_.record_rng) {

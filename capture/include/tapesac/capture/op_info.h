@@ -36,6 +36,10 @@ struct OpInfo {
   std::vector<bool> bytes_unread_arg;
   /// Allocates or resizes storage without setting its bytes (empty*, empty.out, resize_): kUninitialized.
   bool uninitialized = false;
+  /// The kernel's results depend on grad mode, which replay (inside the backward) does not reproduce: e.g.
+  /// aten::mkldnn_rnn_layer (nn.LSTM on CPU) runs oneDNN's training primitive, with a workspace output, only with
+  /// grad mode on, and its inference primitive gives other bits. Recorded with grad mode on, it is not replayed.
+  bool grad_mode_kernel = false;
   /// aten::fill_: with torch.use_deterministic_algorithms(True) and fill_uninitialized_memory (the default), PyTorch
   /// fills what empty.out / resize_ allocate with NaN through a fill_ the recorder sees; that fill still counts as
   /// leaving the bytes unset (Note [Bytes no recorded op wrote]).

@@ -12,6 +12,7 @@
 #include <c10/util/Type.h>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::capture {
 namespace {
@@ -51,18 +52,6 @@ std::string reason_of(const std::exception& e) {
 }
 
 }  // namespace
-
-const void* storage_key(const at::Tensor& t) {
-  if (!t.has_storage()) return t.unsafeGetTensorImpl();
-  return t.storage().unsafeGetStorageImpl();
-}
-
-at::Tensor detached_alias(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto copy = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false);
-  return at::Tensor(std::move(copy));
-}
 
 TensorMeta meta_of(const at::Tensor& t) {
   TensorMeta m;

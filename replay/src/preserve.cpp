@@ -10,8 +10,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "tapesac/capture/op_info.h"
-#include "tapesac/capture/recorder.h"
-#include "tapesac/capture/tape.h"
+#include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::replay {
 

@@ -243,8 +243,9 @@ class AustenData(TextData):
             raise CorpusNotFoundError(
                 "the Austen corpus was not found; expected a directory holding "
                 f"{', '.join(AUSTEN_TRAIN + AUSTEN_VAL)}. Looked in:\n  {looked}\n"
-                f"Fix: pass its directory explicitly, or set {CORPUS_ENV}=/path/to/austen "
-                "(shared/data/README.md says where the files come from)."
+                f"Fix: pass its directory explicitly (demo: --corpus DIR), or set {CORPUS_ENV}=/path/to/austen. "
+                "The files are Jane Austen's six novels as plain UTF-8 text (public domain: Project Gutenberg's "
+                "texts; Debian's r-cran-janeaustenr package ships them as R data), one file per novel named as above."
             )
         self.root = found
         super().__init__(

@@ -8,7 +8,9 @@ start with ``"tapesac: "`` so that such a bare line says where it came from. Com
 is not logged: the CLI prints it.
 
 ``Once`` logs each of its warnings only the first time its key is seen (per object): conflicts and per-block
-problems are reported once, not every step.
+problems are reported once, not every step. Its records carry the kind of warning as ``record.tapesac_key``
+(conflicts.py: "hf", "hooks", "inside-backward", "compiled-blocks", "compiled-model", "no-block", "opaque", "second",
+"outside"; core.py: "capture"), for a ``logging.Filter`` that drops a kind a program expects.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Once:
         if key in self._seen:
             return False
         self._seen.add(key)
-        logger.warning(message)
+        logger.warning(message, extra={"tapesac_key": key[0] if isinstance(key, tuple) else key})
         return True
 
     def seen(self, key: Hashable) -> bool:

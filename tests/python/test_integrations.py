@@ -7,7 +7,6 @@ order by a fake trainer here (and by a real Lightning Trainer when one is instal
 from __future__ import annotations
 
 import copy
-import importlib
 import sys
 
 import pytest

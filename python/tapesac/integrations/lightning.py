@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from ..log import logger
 from .metrics import step_metrics
 
 try:
@@ -77,7 +78,11 @@ class TapeSACCallback(_Callback):  # type: ignore[misc, valid-type]
         self._detach()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._detach()
+        try:
+            self._detach()
+        except Exception as e:  # noqa: BLE001 - the training's own exception is the one to raise
+            logger.warning(f"tapesac: ending the open step after {type(exception).__name__} raised "
+                           f"{type(e).__name__}: {e}")
 
     def _end_step(self) -> None:
         if self._attachment is not None:

@@ -7,14 +7,14 @@ Contract (one ``Conflicts`` per TapeSAC; it only reads the model and never chang
   (``gradient_checkpointing_enable()``), and a second live TapeSAC on a model or block that one already records.
 - Before every step (until each has been warned): the same in-place checks again, since a trainer turns HF's
   checkpointing on when training starts, after the TapeSAC was made.
-- During a step, per block forward: the block runs inside someone else's saved-tensor hooks (``torch.utils.checkpoint``
-  with ``use_reentrant=False``, ``save_on_cpu``) or inside a backward (the recomputation of
-  ``torch.utils.checkpoint`` with ``use_reentrant=True``).
+- During the first ``CHECKED_STEPS`` steps, per block forward (a forward pre-hook installed for those steps only):
+  the block runs inside someone else's saved-tensor hooks (``torch.utils.checkpoint`` with ``use_reentrant=False``,
+  ``save_on_cpu``) or inside a backward (the recomputation of ``torch.utils.checkpoint`` with ``use_reentrant=True``).
 - After every step: no block call recorded (the usual cause: ``torch.compile(model)`` compiled before the first step,
   whose compiled code ignores hooks added later), or nothing dropped because most saved tensors were opaque (compiled
   kernels the recorder cannot see) — reported only when no specific conflict explains it.
-- Outside steps: a forward hook on every block notices a block that runs forward *and backward* with gradients outside
-  any step (it trained without tapesac). The hook does nothing under torch.compile's tracing, is removed after its
+- Outside steps: a forward hook on every block (the one hook that stays between steps) notices a block that runs
+  forward *and backward* with gradients outside any step (it trained without tapesac). The hook does nothing under torch.compile's tracing, is removed after its
   warning and at ``close()``, and a pickled or deep-copied model gets an inert hook in its place (no tie to this
   TapeSAC).
 """
@@ -30,7 +30,11 @@ from torch import nn
 from .blocks import is_compiled
 from .log import Once
 
-__all__ = ["Conflicts"]
+__all__ = ["Conflicts", "CHECKED_STEPS"]
+
+# Steps whose block forwards are checked for someone else's checkpoint around the block: a setup, not something
+# that changes mid-training, and a hook per block call costs a few microseconds.
+CHECKED_STEPS = 3
 
 # Every module a live TapeSAC records (its model and its blocks) -> that TapeSAC's Conflicts (weakly on both sides).
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Conflicts]]" = weakref.WeakKeyDictionary()
@@ -103,10 +107,9 @@ class Conflicts:
         self.check_modules()
         for m in [model] + [m for _, m in self._blocks]:
             _OWNERS[m] = weakref.ref(self)
-        self._handles: list[Any] = []
-        for name, m in self._blocks:
-            self._handles.append(m.register_forward_pre_hook(_Hook(self, "_block_starts", name)))
-            self._handles.append(m.register_forward_hook(_Hook(self, "_block_ran", name)))
+        self._steps = 0
+        self._step_handles: list[Any] = []
+        self._handles: list[Any] = [m.register_forward_hook(_Hook(self, "_block_ran", name)) for name, m in self._blocks]
 
     # -- at construction ------------------------------------------------------------------------------------------
     def _check_compiled_blocks(self) -> None:
@@ -160,6 +163,9 @@ class Conflicts:
         self._step_warned = False
         self.check_modules()
         self.in_step = True
+        if self._steps < CHECKED_STEPS:
+            self._step_handles = [m.register_forward_pre_hook(_Hook(self, "_block_starts", name), prepend=True)
+                                  for name, m in self._blocks]
 
     # -- during a step --------------------------------------------------------------------------------------------
     def _block_starts(self, name: str, module: nn.Module, args: Any) -> None:
@@ -205,6 +211,10 @@ class Conflicts:
     # -- after a step ---------------------------------------------------------------------------------------------
     def after_step(self, stats: Any) -> None:
         self.in_step = False
+        self._steps += 1
+        handles, self._step_handles = self._step_handles, []
+        for h in handles:
+            h.remove()
         if stats is None or self._step_warned:
             return
         if stats.block_calls == 0:
@@ -231,6 +241,9 @@ class Conflicts:
 
     def close(self) -> None:
         self._remove_hooks()
+        for h in self._step_handles:
+            h.remove()
+        self._step_handles = []
         self._session = None
         self.closed = True
         self.in_step = False

@@ -17,4 +17,12 @@ at::Tensor detached_alias(const at::Tensor& t) {
   return at::Tensor(std::move(copy));
 }
 
+int64_t storage_bytes(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+int64_t view_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()) : 0;
+}
+
 }  // namespace tapesac::capture

@@ -139,7 +139,7 @@ void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const
       ++replays_;
       throw;
     }
-    const int64_t nbytes = static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+    const int64_t nbytes = capture::view_bytes(tensor);
     const bool approximated = approx_ && approx_->approximates(value);
     record(value, approximated ? "approximated" : recovered.empty() ? "match" : "recovered", nbytes, replay_ns,
            recovered);

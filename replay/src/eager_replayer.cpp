@@ -1,7 +1,6 @@
 // The eager replayer (see eager_replayer.h).
 #include "tapesac/replay/eager_replayer.h"
 
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -13,6 +12,7 @@
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/common/clock.h"
 
 namespace tapesac::replay {
 namespace {
@@ -209,7 +209,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
   const Tape& tape = *source.tape;
   const auto& live = *source.live;
   const auto& available = *source.available;
-  const auto t0 = std::chrono::steady_clock::now();
+  const common::Stopwatch clock;
 
   PruneResult plan = prune(tape, targets, available);
   TAPESAC_CHECK(plan.ok, kReplayContract, "tapesac cannot rebuild a dropped tensor: ", plan.reason,
@@ -236,7 +236,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
     result.emplace(r.value, std::move(t));
   }
   if (stats != nullptr) {
-    stats->ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    stats->ns += clock.elapsed_ns();
   }
   return result;
 }

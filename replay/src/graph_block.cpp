@@ -12,8 +12,9 @@
 #include <ATen/ops/empty_strided.h>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
+#include "tapesac/common/fnv.h"
 #include "tapesac/replay/eager_replayer.h"
-#include "fnv.h"
 
 namespace tapesac::replay {
 namespace {
@@ -30,7 +31,7 @@ uint64_t bits_of(double d) {
 }
 
 /// Hashes one constant argument; false for kinds that cannot be compared by value.
-bool hash_ivalue(const c10::IValue& v, Fnv64& h) {
+bool hash_ivalue(const c10::IValue& v, common::Fnv64& h) {
   h.mix(static_cast<uint64_t>(v.tagKind().size()));
   if (v.isNone()) {
     h.mix(0);
@@ -115,10 +116,6 @@ std::string describe_value(const capture::Tape& tape, ValueId v) {
   const OpIndex p = tape.value(v).producer;
   return p == capture::kExternal ? std::string("a block input")
                                  : "output of op #" + std::to_string(p) + " " + capture::op_kind_name(tape.op(p).kind);
-}
-
-int64_t tensor_bytes(const at::Tensor& t) {
-  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
 }
 
 // Records why this replay goes eager; returns false for the caller to return.
@@ -281,7 +278,7 @@ std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<ui
 }
 
 bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<OpIndex>& ops, uint64_t* hash) {
-  Fnv64 h;
+  common::Fnv64 h;
   for (OpIndex i : ops) {
     const OpPayload& p = payloads.at(static_cast<size_t>(i));
     h.mix(static_cast<uint64_t>(i));
@@ -437,7 +434,7 @@ struct GraphCache::Entry {
                       "v" + std::to_string(v) + " cannot be staged: its live tensor has another shape or dtype than "
                       "at the forward, or it overlaps itself");
       }
-      out.staged_bytes += tensor_bytes(src);
+      out.staged_bytes += capture::view_bytes(src);
     }
     return true;
   }
@@ -648,7 +645,7 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
            "an op of the block has a constant argument that cannot be compared between block calls");
     return {};
   }
-  Fnv64 key;
+  common::Fnv64 key;
   key.mix(call.signature);
   key.mix(constants);
   for (size_t v = 0; v < capture_live.size(); ++v) {

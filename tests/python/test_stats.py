@@ -62,7 +62,7 @@ def test_str_is_one_short_line_and_repr_has_every_field(tapesac) -> None:
     assert "step 1" in text and "policy full" in text and "dropped" in text
     assert str(st.blocks[0]).startswith("BlockStats(blocks.0:")
     assert "graph_fallback_reasons=" in repr(st)
-    assert "StepStats" in tapesac.StepStats.__doc__ and "unpacks:" in tapesac.StepStats.__doc__
+    assert "unpacks:" in tapesac.StepStats.__doc__ and "unpacks:" in tapesac.BlockStats.__doc__
 
 
 def test_print_last_step_of_two_hf_layers_is_one_line(tapesac, capsys) -> None:

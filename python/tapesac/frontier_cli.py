@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+__all__ = ["add_arguments", "run", "main"]
+
 DESCRIPTION = __doc__
 
 

@@ -26,7 +26,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/cuda/device.h"
 #include "tapesac/cuda/event.h"
 #include "tapesac/cuda/cupti_timer.h"

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/clock.h"
 #include "tapesac/common/errors.h"
 #include "tapesac/replay/block_call.h"

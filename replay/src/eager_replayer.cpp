@@ -10,7 +10,7 @@
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/common/clock.h"
 

@@ -9,12 +9,12 @@
 #   cpp_gpu  tapesac_test_cuda in one process (every CUDA case, one context and one CUPTI claim)         25 s
 #   py_gpu   the gpu-marked pytest cases (profiler tests last: tests/python/conftest.py)                   55 s
 #   suite    perf/gpu_figures.py suite: Qwen3 ~1B, bf16, seq 4096, batch 1 — nockpt, ckpt, PyTorch SAC,
-#            tapesac full eager / full cuda_graph / auto at the halfway limit, validated, then timed    85 s
+#            tapesac full eager / full cuda_graph / auto at the halfway limit, validated, then timed    80 s
 #   compile  perf/gpu_figures.py compile: torch.compile, activation_memory_budget=0.5 (no figure if it
-#            does not compile within the limit)                                                         30 s
+#            does not compile within the limit)                                                         25 s
 #   extras   perf/gpu_figures.py extras: launch-bound graph vs eager replay, CUPTI per-op launch times
-#            and the planner's op-time source, the ~1B forward alone under sac.step() vs plain          45 s
-# The limits add up to 410 s (under 7 minutes with the start-up; the device tool gives a task 15 minutes in all,
+#            and the planner's op-time source, the ~1B forward alone under sac.step() vs plain          40 s
+# The limits add up to 415 s (under 7 minutes with the start-up; the device tool gives a task 15 minutes in all,
 # so a rerun fits). Files under $OUT (at most 8): environment.txt, summary.txt, build.log, cpp_gpu.log,
 # py_gpu.log, figures.log, figures.json. Exit status: non-zero when the build or a test stage failed.
 #
@@ -36,7 +36,7 @@ JOBS="${JOBS:-$(nproc)}"
 status=0
 
 # name limit (seconds): the stages, in order. Keep the sum under 420 (checked below).
-LIMITS="build:170 cpp_gpu:25 py_gpu:55 suite:85 compile:30 extras:45"
+LIMITS="build:200 cpp_gpu:20 py_gpu:50 suite:80 compile:25 extras:40"
 total=0; for s in $LIMITS; do total=$((total + ${s#*:})); done
 if [ "$total" -ge 420 ]; then echo "gpu_check: the stage limits sum to ${total}s (>= 420)" >&2; exit 2; fi
 limit() { for s in $LIMITS; do [ "${s%%:*}" = "$1" ] && echo $(( ${s#*:} * SCALE )); done; }
@@ -93,7 +93,7 @@ stage compile figures.log "$PY" "${FIG[0]}" compile "${FIG[@]:1}"
 stage extras figures.log "$PY" "${FIG[0]}" extras "${FIG[@]:1}"
 
 n=$(find "$OUT" -type f | wc -l)
-echo "files under OUT: $n (at most 8)" | tee -a "$OUT/summary.txt"
+echo "files under OUT: $n (at most 8)" >> "$OUT/summary.txt"
 [ "$n" -le 8 ] || status=1
 cat "$OUT/summary.txt"
 exit $status

@@ -25,6 +25,7 @@ from .blocks import is_compiled, model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc
 from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
+from .log import logger
 from .logs import StepLog
 from .memory import MemoryStats, parse_memory_limit
 from .policy import OpSetPolicy, parse_policy
@@ -111,8 +112,11 @@ class TapeSAC:
         self._approx = cfg.approx
         self._limit = limit or 0
         # Between steps (runtime/runtime.h): the planner of policy "auto" and the preservation choice.
+        # Policies that drop ("full", op sets, callables) get their replay schedules planned (runtime.h).
         self._runtime = _C.Runtime(self._session, plan=self._policy_label == "auto", memory_limit=self._limit,
-                                   preserve=preserve if check else "off")
+                                   preserve=preserve if check else "off",
+                                   schedules=self._policy_label not in ("auto", "none") and cfg.approx is None)
+        self._warned_over_limit = False
         self._planner = self._runtime.planner  # None unless policy "auto"
         self._log = StepLog(cfg.log, cfg.records)
         self._hooks = StepHooks(self._session, self._blocks)
@@ -193,6 +197,7 @@ class TapeSAC:
             self._last = self._collect(time.perf_counter() - start)
             self._history.append(self._last)
             self._warn_unmatched()
+            self._warn_over_limit()
             self._log.write_step(self._last, self._get_timeline)
             self._log.write_records(self._steps, self._session)
         # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
@@ -238,6 +243,18 @@ class TapeSAC:
             preserved=tuple(dict(p) for p in self._session.last_preserved()),
         )
 
+    def _warn_over_limit(self) -> None:
+        """The limit is a promise (README, "Memory limit and the planner"): a step over it is flagged in StepStats
+        (over_limit, over_limit_bytes) and, the first time, warned through the "tapesac" logger."""
+        st = self._last
+        if st is None or not st.over_limit or self._warned_over_limit:
+            return
+        self._warned_over_limit = True
+        peak = st.memory.peak_bytes if st.memory else 0
+        logger.warning("tapesac: step %d peaked at %d bytes, %d bytes over memory_limit %d (policy %s); the next step "
+                       "plans under a tighter margin. StepStats.over_limit flags every such step; this is warned "
+                       "once.", st.step, peak, st.over_limit_bytes, self._limit, st.policy)
+
     def _warn_unmatched(self) -> None:
         if self._warned_unmatched or not isinstance(self._save_op, OpSetPolicy) or not self._last:
             return
@@ -255,7 +272,9 @@ class TapeSAC:
 
     @property
     def plan(self) -> dict[str, Any] | None:
-        """Policy "auto": the plan in use (predicted peak and replay cost, per block call kept bytes), else None."""
+        """The plan in use, else None (before the first plan, policy "none"): predicted peak and replay cost, per block
+        call kept bytes and the replay schedule (segments, held_bytes). Policy "auto" plans what to keep and the
+        schedules; "full", op sets and callables only the schedules (the least peak, or under memory_limit)."""
         return self._runtime.plan
 
     def frontier(self, points: int = 12) -> "Frontier":
@@ -264,7 +283,7 @@ class TapeSAC:
         plus the steps measured so far. Needs one finished step."""
         from .frontier import Frontier
 
-        if self._runtime.plan is None:
+        if self._policy_label != "auto" or self._runtime.plan is None:
             raise TapeSACError("frontier() needs policy='auto' (a memory_limit) and one finished step")
         if not isinstance(points, int) or isinstance(points, bool) or not 2 <= points <= 1000:
             raise ConfigError(f"frontier(points={points!r}): expected an int in [2, 1000]")
@@ -281,7 +300,7 @@ class TapeSAC:
 
     @property
     def plans(self) -> list[dict[str, Any]]:
-        """Policy "auto": every plan made so far (why, after which step, predicted vs measured peak)."""
+        """Every plan made so far (why, after which step, predicted vs measured peak); see ``plan``."""
         return self._runtime.plans
 
     @property

@@ -30,6 +30,45 @@ bool decomposes(const c10::OperatorHandle& h, c10::DispatchKey autograd_key, c10
   return true;
 }
 
+// Note [Bytes no recorded op wrote] (tape.h): the ops that leave the bytes they allocate unset.
+bool leaves_bytes_unset(const std::string& name) {
+  static const char* const kNames[] = {
+      "aten::empty",          "aten::empty_like",     "aten::new_empty",
+      "aten::new_empty_strided", "aten::empty_strided", "aten::empty_permuted",
+      "aten::empty_quantized", "aten::_empty_affine_quantized", "aten::_empty_per_channel_affine_quantized",
+      "aten::resize_",        "aten::resize_as_",     "aten::_resize_output_"};
+  for (const char* n : kNames) {
+    if (name == n) return true;
+  }
+  return false;
+}
+
+// In-place ops that write all of `self` without reading it.
+bool overwrites_self(const std::string& name) {
+  static const char* const kNames[] = {"aten::copy_",     "aten::fill_",       "aten::zero_",    "aten::normal_",
+                                       "aten::uniform_",  "aten::bernoulli_",  "aten::random_",  "aten::exponential_",
+                                       "aten::geometric_", "aten::cauchy_",     "aten::log_normal_"};
+  for (const char* n : kNames) {
+    if (name == n) return true;
+  }
+  return false;
+}
+
+// Factories that take only the metadata (sizes, dtype, device) of their first argument.
+bool reads_meta_of_self(const std::string& name) {
+  static const char* const kNames[] = {"aten::empty_like", "aten::zeros_like",   "aten::ones_like",
+                                       "aten::full_like",  "aten::rand_like",    "aten::randn_like",
+                                       "aten::randint_like", "aten::new_empty",  "aten::new_empty_strided",
+                                       "aten::new_zeros",  "aten::new_ones",     "aten::new_full"};
+  for (const char* n : kNames) {
+    if (name == n) return true;
+  }
+  return false;
+}
+
+// See OpInfo::grad_mode_kernel.
+bool kernel_reads_grad_mode(const std::string& name) { return name == "aten::mkldnn_rnn_layer"; }
+
 std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
   auto info = std::make_unique<OpInfo>(h);
   const c10::FunctionSchema& schema = h.schema();
@@ -62,6 +101,14 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
     if (n == "train") info->train_arg = static_cast<int>(i);
     if (n == "generator") info->generator_arg = static_cast<int>(i);
   }
+  info->uninitialized = leaves_bytes_unset(ns_name);
+  info->grad_mode_kernel = kernel_reads_grad_mode(ns_name);
+  info->fill = ns_name == "aten::fill_";
+  info->bytes_unread_arg.resize(args.size(), false);
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].is_out()) info->bytes_unread_arg[i] = true;
+  }
+  if (!args.empty() && (overwrites_self(ns_name) || reads_meta_of_self(ns_name))) info->bytes_unread_arg[0] = true;
   // Only dropout-style ops skip drawing when p == 0; bernoulli(p=0) still advances its generator.
   const bool dropout_like =
       ns_name.find("dropout") != std::string::npos || ns_name.find("scaled_dot_product") != std::string::npos;

@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 
 #include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Type.h>
 
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
@@ -38,6 +41,15 @@ bool contains_tensor(const c10::IValue& v) {
     }
   }
   return false;
+}
+
+// The reason a recording failed, never empty: torch's python_error (a Python exception raised below the dispatcher)
+// carries its message only once persisted, which needs the GIL, so its what() is "" here.
+std::string reason_of(const std::exception& e) {
+  const char* what = e.what();
+  if (what != nullptr && *what != '\0') return what;
+  return "an exception without a message (" + c10::demangle(typeid(e).name()) +
+         "; a Python error raised inside a tensor subclass or a dispatch mode)";
 }
 
 }  // namespace
@@ -148,6 +160,7 @@ void Recorder::stop() noexcept {
   storage_refs_.clear();
   last_value_of_storage_.clear();
   prev_value_same_storage_.clear();
+  cover_.clear();
 }
 
 void Recorder::clear() noexcept {
@@ -156,6 +169,7 @@ void Recorder::clear() noexcept {
   payloads_.clear();
   live_.clear();
   origins_.clear();
+  opaque_.clear();
 }
 
 std::unique_ptr<at::ObserverContext> Recorder::on_enter(const at::RecordFunction& fn) {
@@ -232,6 +246,22 @@ StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
 }
 
 ValueId Recorder::find_value(const at::Tensor& t) const {
+  const ValueId v = lookup(t);
+  if (v < 0) return -1;
+  const StorageId s = tape_.value(v).storage;
+  const bool tracked = static_cast<size_t>(s) < cover_.size() && cover_[static_cast<size_t>(s)] != nullptr;
+  return opaque(v, tracked ? meta_of(t) : tape_.value(v).meta) ? -1 : v;
+}
+
+bool Recorder::opaque(ValueId v, const TensorMeta& view) const {
+  if (static_cast<size_t>(v) < opaque_.size() && opaque_[static_cast<size_t>(v)] != 0) return true;
+  const ValueInfo& info = tape_.value(v);
+  if (info.producer == kExternal) return false;
+  const auto s = static_cast<size_t>(info.storage);
+  return s < cover_.size() && cover_[s] != nullptr && !cover_[s]->covers(view);
+}
+
+ValueId Recorder::lookup(const at::Tensor& t) const {
   if (!t.defined()) return -1;
   const ValueId latest = impl_value_.find(t.unsafeGetTensorImpl());
   if (latest != PtrIndexMap::kMissing) return latest;
@@ -247,7 +277,8 @@ ValueId Recorder::find_value(const at::Tensor& t) const {
 
 ValueId Recorder::find_value_of_impl(const c10::TensorImpl* impl) const {
   const ValueId v = impl_value_.find(impl);
-  return v == PtrIndexMap::kMissing ? -1 : v;
+  if (v == PtrIndexMap::kMissing) return -1;
+  return opaque(v, tape_.value(v).meta) ? -1 : v;
 }
 
 ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
@@ -272,7 +303,7 @@ void Recorder::link_value(ValueId v, StorageId s) {
 }
 
 ValueId Recorder::value_for_input(const at::Tensor& t) {
-  const ValueId v = find_value(t);
+  const ValueId v = lookup(t);
   if (v >= 0) return v;
   // Not produced on this tape (block input, parameter, buffer, captured tensor), or a view of a tape storage made
   // where the recorder cannot see: held live, never replayed.
@@ -280,13 +311,100 @@ ValueId Recorder::value_for_input(const at::Tensor& t) {
 }
 
 void Recorder::add_input(Frame& f, const at::Tensor& t, int arg, int elem) {
+  // Note [Python tensor subclasses]: a tensor whose key set holds Python (a FakeTensor while torch.compile traces,
+  // a FunctionalTensor, a __torch_dispatch__ subclass such as DTensor) would answer the detach() below, and every
+  // replay, by running Python inside this callback. Its op is not recorded: the block keeps its tensors, and says why.
+  if (t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    throw std::runtime_error(
+        "an input is a tensor subclass that dispatches to Python (a FakeTensor: torch.compile traced the block inside "
+        "the step; or a FunctionalTensor, or a __torch_dispatch__ subclass such as DTensor), which tapesac does not "
+        "record. Compile before the first step, or compile submodules inside the blocks");
+  }
   const ValueId v = value_for_input(t);
+  const auto& unread = f.info->bytes_unread_arg;
+  const bool reads_bytes = !(static_cast<size_t>(arg) < unread.size() && unread[static_cast<size_t>(arg)]);
+  const StorageId s = tape_.value(v).storage;
+  if (reads_bytes && static_cast<size_t>(s) < cover_.size() && cover_[static_cast<size_t>(s)] != nullptr &&
+      tape_.value(v).producer != kExternal && !cover_[static_cast<size_t>(s)]->covers(meta_of(t))) {
+    f.unwritten.emplace_back(f.inputs.size(), t);  // see externalize_unwritten()
+  }
   ArgRef a;
   a.arg = static_cast<int16_t>(arg);
   a.elem = static_cast<int16_t>(elem);
   a.value = v;
-  a.state = tape_.state_of(tape_.value(v).storage);
+  a.state = tape_.state_of(s);
+  a.overwritten = !reads_bytes;
   f.inputs.push_back(a);
+}
+
+void Recorder::externalize_unwritten(Frame& f, OpRecord& rec, const at::RecordFunction& fn, bool writes) {
+  // A view call (it writes nothing and returns only aliases of storages the tape knows) takes metadata, not bytes:
+  // its output is checked when something reads it.
+  bool view = !writes;
+  bool any_output = false;
+  auto visit = [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    any_output = true;
+    if (storage_id_.find(storage_key(t)) == PtrIndexMap::kMissing) view = false;
+  };
+  for (const c10::IValue& o : fn.outputs()) {
+    if (!view) break;
+    if (o.isTensor()) {
+      visit(o.toTensor());
+    } else if (o.isTensorList()) {
+      for (const at::Tensor& t : o.toTensorList().vec()) visit(t);
+    } else if (o.isList()) {
+      for (const c10::IValue& e : o.toListRef()) {
+        if (e.isTensor()) visit(e.toTensor());
+      }
+    }
+  }
+  if (view && any_output) return;
+  for (auto& [index, t] : f.unwritten) {
+    ArgRef& a = rec.inputs[index];
+    ValueId v = lookup(t);  // the same tensor read twice by this op is registered once
+    if (v < 0 || tape_.value(v).producer != kExternal) {
+      v = add_external(t, tape_.value(a.value).storage);
+      if (opaque_.size() <= static_cast<size_t>(v)) opaque_.resize(static_cast<size_t>(v) + 1, 0);
+      opaque_[static_cast<size_t>(v)] = 1;
+    }
+    a.value = v;
+  }
+}
+
+bool Recorder::deterministic_fill(const OpInfo& info, const OpRecord& rec) const {
+  if (!info.fill || rec.writes.size() != 1 || tape_.ops().empty()) return false;
+  const at::Context& ctx = at::globalContext();
+  if (!ctx.deterministicAlgorithms() || !ctx.deterministicFillUninitializedMemory()) return false;
+  const OpRecord& prev = tape_.ops().back();
+  return prev.has(kUninitialized) &&
+         std::find(prev.writes.begin(), prev.writes.end(), rec.writes[0]) != prev.writes.end();
+}
+
+void Recorder::note_writes(const OpRecord& rec) {
+  if (rec.has(kUninitialized)) {
+    for (StorageId s : rec.writes) {
+      if (tape_.storage(s).external) continue;  // never rebuilt anyway: a write to it is not replayed
+      if (cover_.size() <= static_cast<size_t>(s)) cover_.resize(static_cast<size_t>(s) + 1);
+      auto& c = cover_[static_cast<size_t>(s)];
+      if (c) {
+        c->clear();
+      } else {
+        c = std::make_unique<ByteCover>();
+      }
+    }
+    return;
+  }
+  if (cover_.empty()) return;
+  for (StorageId s : rec.writes) {
+    if (static_cast<size_t>(s) >= cover_.size() || !cover_[static_cast<size_t>(s)]) continue;
+    // What an op writes on a storage is its outputs there (an in-place op returns its self, an out= op its out).
+    // An op that writes part of its output (index_put_, masked_fill_) reads the rest: if that was unwritten, the
+    // read made the tensor external and the op cannot be replayed, so counting the whole output is safe.
+    for (ValueId o : rec.outputs) {
+      if (o >= 0 && tape_.value(o).storage == s) cover_[static_cast<size_t>(s)]->add(tape_.value(o).meta);
+    }
+  }
 }
 
 void Recorder::capture_rng(Frame& f, const at::RecordFunction& fn) {
@@ -340,7 +458,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
     composite_ = false;
     info = should_record(fn);
   } catch (const std::exception& e) {
-    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
   }
   if (info == nullptr) {
     call_stack_.push_back(0);
@@ -396,6 +514,8 @@ void Recorder::enter(const at::RecordFunction& fn) {
         f.args.push_back(v);
       }
     }
+    // See OpInfo::grad_mode_kernel: replay runs inside the backward, with grad mode off.
+    if (f.info->grad_mode_kernel && at::GradMode::is_enabled()) f.non_replayable = true;
     // A composite op's random children snapshot their own generator state; in the rare case the composite runs
     // itself, it is recorded without one and therefore never replayed.
     if (f.info->random && options_.record_rng) {
@@ -417,7 +537,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
     }
   } catch (const std::exception& e) {
     busy_ = false;
-    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
     f.info = nullptr;
   }
 }
@@ -484,6 +604,9 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
       }
     }
     const size_t input_writes = rec.writes.size();
+    // Note [Bytes no recorded op wrote]: reads of bytes no recorded op wrote become external values (held live,
+    // opaque to pack), before the outputs are registered (an in-place op's output is the tensor it read).
+    if (!f.unwritten.empty()) externalize_unwritten(f, rec, fn, input_writes > 0);
     std::vector<StorageId>& out_storages = scratch_storages_;
     out_storages.clear();
     bool any_new_storage = false;
@@ -492,6 +615,12 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
       if (!t.defined()) {
         rec.outputs.push_back(-1);
         return;
+      }
+      if (t.unsafeGetTensorImpl()->is_python_dispatch()) {  // Note [Python tensor subclasses]
+        throw std::runtime_error(
+            "an output is a tensor subclass that dispatches to Python (a FakeTensor: torch.compile traced the block "
+            "inside the step; or a FunctionalTensor, or a __torch_dispatch__ subclass), which tapesac does not "
+            "record. Compile before the first step, or compile submodules inside the blocks");
       }
       cuda = cuda || t.is_cuda();
       const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
@@ -543,6 +672,8 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     if (f.non_replayable || info.effectful) rec.flags |= kNonReplayable;
     if (f.generator.has_value()) rec.flags |= kRandom;
     if (info.nondeterministic_bitwise && cuda) rec.flags |= kNondeterministic | kNonReplayable;
+    if (info.uninitialized || deterministic_fill(info, rec)) rec.flags |= kUninitialized;
+    note_writes(rec);
     const OpIndex index = tape_.add_op(std::move(rec));
     OpPayload& payload = payloads_.emplace_back();
     payload.handle = info.handle;
@@ -555,7 +686,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     return index;
   } catch (const std::exception& e) {
     busy_ = false;
-    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
   }
   return -1;
 }

@@ -14,6 +14,7 @@ What is counted (see allocator/include/tapesac/allocator/telemetry.h for the C++
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,8 @@ _UNITS = {
     "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
 }
 _LIMIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
+# The runtime counts bytes in signed 64 bits.
+MAX_LIMIT_BYTES = 2**63 - 1
 
 
 def format_bytes(n: float) -> str:
@@ -65,6 +68,9 @@ def parse_memory_limit(value: Any, device: torch.device | str = "cpu") -> int | 
     if isinstance(value, int):
         if value <= 0:
             raise ConfigError(f"memory_limit={value}: a limit must be a positive number of bytes (or None for none)")
+        if value > MAX_LIMIT_BYTES:
+            raise ConfigError(f"memory_limit={value}: more bytes than a 64-bit count holds (at most "
+                              f"{MAX_LIMIT_BYTES}); pass the limit you mean, or None for no limit")
         return value
     if isinstance(value, float):
         raise ConfigError(f"memory_limit={value!r}: pass bytes as an int, a size string like '20GiB', or a "
@@ -84,7 +90,11 @@ def parse_memory_limit(value: Any, device: torch.device | str = "cpu") -> int | 
     if factor is None:
         raise ConfigError(f"memory_limit={value!r}: unknown unit {unit!r}; use B, KB/MB/GB/TB (powers of 1000) or "
                           f"KiB/MiB/GiB/TiB (powers of 1024), or a percentage like '90%'")
-    limit = int(number * factor)
+    size = number * factor
+    if not math.isfinite(size) or size > MAX_LIMIT_BYTES:
+        raise ConfigError(f"memory_limit={value!r}: more bytes than a 64-bit count holds (at most "
+                          f"{MAX_LIMIT_BYTES}, about 8 EiB); pass the limit you mean, or None for no limit")
+    limit = int(size)
     if limit <= 0:
         raise ConfigError(f"memory_limit={value!r}: a limit must be positive")
     return limit

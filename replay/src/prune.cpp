@@ -34,7 +34,7 @@ class Pruner {
 
   PruneResult run(const std::vector<Read>& targets) {
     for (const Read& r : targets) {
-      read(r.value, r.state, /*content_free=*/false, /*reader=*/-1);
+      read(r.value, r.state, /*content_free=*/false, /*reader=*/-1, /*bytes_read=*/true);
       drain();
       if (!result_.ok) return std::move(result_);
     }
@@ -91,7 +91,8 @@ class Pruner {
     return ok;
   }
 
-  void read(ValueId v, int32_t state, bool content_free, OpIndex reader) {
+  // bytes_read: the reader uses the bytes (false for an argument it overwrites whole, ArgRef::overwritten).
+  void read(ValueId v, int32_t state, bool content_free, OpIndex reader, bool bytes_read) {
     const ReadSource src = classify_read(tape_, available_, v, state, content_free);
     if (src == ReadSource::kLive) return;
     if (src == ReadSource::kFail) {
@@ -106,6 +107,17 @@ class Pruner {
     const capture::StorageInfo& s = tape_.storage(info.storage);
     if (s.external) return;  // classify_read guarantees the final state: the live storage holds it
     if (state == s.final_state() && path_live(v)) return;
+    if (bytes_read && state > 0 && info.meta.nbytes > 0) {
+      const OpIndex last = s.writers[static_cast<size_t>(state) - 1];
+      if (tape_.op(last).has(capture::kUninitialized)) {
+        fail(reader, v,
+             "value v" + std::to_string(v) + " is read" +
+                 (reader >= 0 ? " by op #" + std::to_string(reader) + " " + op_name(tape_, reader) : std::string()) +
+                 " with bytes no recorded op wrote (op #" + std::to_string(last) + " " + op_name(tape_, last) +
+                 " left them uninitialised; a kernel outside the dispatcher filled them)");
+        return;
+      }
+    }
     int32_t& upto = marked_upto_[static_cast<size_t>(info.storage)];
     for (int32_t k = upto; k < state; ++k) need(s.writers[static_cast<size_t>(k)]);
     upto = std::max(upto, state);
@@ -116,7 +128,7 @@ class Pruner {
       const OpIndex i = pending_.back();
       pending_.pop_back();
       const OpRecord& op = tape_.op(i);
-      for (const capture::ArgRef& a : op.inputs) read(a.value, a.state, a.meta_only, i);
+      for (const capture::ArgRef& a : op.inputs) read(a.value, a.state, a.meta_only, i, !a.overwritten);
     }
   }
 

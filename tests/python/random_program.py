@@ -12,6 +12,15 @@ A program is a stack of 2-3 blocks; each block is a list of `OpSpec`s applied to
 block input and every earlier op's output) that binary ops, in-place ops and `where` draw their second operand
 from. In-place ops always mutate a fresh tensor (`h * c`) so that the program is valid under plain autograd.
 
+Issue 18's families, drawn from a second RNG of the seed so that the programs above stay as they were apart from
+the inserted ops: an *external kernel* op (an autograd.Function whose output buffer comes from an empty*-like
+factory and is filled through `.numpy()` or ctypes, outside the dispatcher), *`.data` writes* at random points (in
+the forward after a block, inside the backward when a block's output gradient arrives, or between two backward
+passes) to a block's first weight or its input, and *step shapes* other than one `loss.backward()`: the same loss
+backward twice (retain_graph), two losses backward in turn, `torch.autograd.grad` into `.grad`, and
+`autograd.grad` then `backward`. A program with a `.data` write may be rejected with ReplayContractError (issue 18:
+"recovered or rejected, never silent"); `Program.families()` names the families a program belongs to.
+
 Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
 print it: `print(R.Program.generate(SEED))`.
 """
@@ -19,12 +28,15 @@ print it: `print(R.Program.generate(SEED))`.
 from __future__ import annotations
 
 import copy
+import ctypes
 import math
 import random
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -211,6 +223,51 @@ class _SwishFn(torch.autograd.Function):
         return g * (s + x * s * (1 - s))
 
 
+def _empty_out(x: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(0, dtype=x.dtype)
+    torch.empty(x.shape, out=buf)  # an out= buffer resized without setting its bytes
+    return buf
+
+
+# empty*-like factories of a float32 buffer shaped like a [B, T, D] float32 tensor (issue 18 item 1).
+EXTERNAL_FACTORIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "empty": lambda x: torch.empty(x.shape),
+    "empty_like": torch.empty_like,
+    "new_empty": lambda x: x.new_empty(x.shape),
+    "empty_strided_t": lambda x: torch.empty_strided(x.shape, (x.shape[1] * x.shape[2], 1, x.shape[1])),
+    "empty_permuted": lambda x: torch.empty_permuted(x.shape, (2, 0, 1)),
+    "empty_out": _empty_out,
+}
+
+
+def _external_fill(out: torch.Tensor, values: np.ndarray, how: str) -> None:
+    """Writes `values` into `out` through its data pointer, as a kernel the dispatcher does not see."""
+    if how == "numpy":
+        out.numpy()[...] = values
+        return
+    src = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    for i, idx in enumerate(np.ndindex(*out.shape)):  # a strided C kernel, element by element
+        off = sum(k * st for k, st in zip(idx, out.stride()))
+        ctypes.memmove(out.data_ptr() + 4 * off, src.ctypes.data + 4 * i, 4)
+
+
+class _ExternalKernelFn(torch.autograd.Function):
+    """y = tanh(h) computed outside the dispatcher into an empty*-like float32 buffer, which is saved for backward."""
+
+    @staticmethod
+    def forward(ctx, h, factory: str, how: str):
+        hf = h.detach().float().contiguous()
+        out = EXTERNAL_FACTORIES[factory](hf)
+        _external_fill(out, np.tanh(hf.numpy()), how)
+        ctx.save_for_backward(out)
+        return out.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return (g.float() * (1 - out * out)).to(g.dtype), None, None
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op of a block: `kind` names it (see CATEGORIES), `j`/`k` index the pool, `p` is a small parameter."""
@@ -229,7 +286,10 @@ class OpSpec:
                 extra.append(f"k={self.k}")
         if self.p:
             extra.append(f"p={self.p:g}")
-        if self.flag:
+        if self.kind == "external_kernel":
+            extra.append(list(EXTERNAL_FACTORIES)[self.k % len(EXTERNAL_FACTORIES)])
+            extra.append("ctypes" if self.flag else "numpy")
+        elif self.flag:
             extra.append("flag")
         return f"{self.kind}({', '.join(extra)})" if extra else self.kind
 
@@ -237,6 +297,27 @@ class OpSpec:
 _USES_POOL = set(BINARY) | set(INPLACE) | {"stack_sum", "cat_linear", "cat_t_slice", "stack_weighted", "where",
                                            "masked_fill", "residual", "where_scalar"}
 _USES_POOL2 = {"transpose_mul_", "addcmul_", "chain_", "where"}
+
+
+DATA_WRITE_POINTS = ("forward", "backward", "between")
+STEP_SHAPES = ("backward", "retain_twice", "two_losses", "autograd_grad", "grad_then_backward")
+TWO_PASS_SHAPES = ("retain_twice", "two_losses", "grad_then_backward")
+
+
+@dataclass(frozen=True)
+class DataWrite:
+    """A `.data` write (the version counter does not move) of `target` of block `block` — "weight" (its first
+    Linear's weight) or "input" (the tensor the block was called with) — scaled by `factor`, made `where`:
+    "forward" right after the block's forward, "backward" when the gradient of the block's output arrives (before
+    the block's backward), "between" between the step's two backward passes."""
+
+    where: str
+    block: int
+    target: str
+    factor: float
+
+    def __str__(self) -> str:
+        return f"{self.target}[{self.block}].data *= {self.factor:g} ({self.where})"
 
 
 @dataclass(frozen=True)
@@ -251,6 +332,8 @@ class Program:
     repeat_first: bool = False  # blocks[0] is called again on the output: two tapes of one module in a step
     tuple_out: bool = False  # every block returns (h, aux); the model adds 0.1 * aux outside the blocks
     autocast: bool = False  # the forward runs under torch.autocast("cpu", dtype=torch.bfloat16)
+    step: str = "backward"  # STEP_SHAPES: how the step's backward runs
+    data_writes: tuple[DataWrite, ...] = ()
 
     @staticmethod
     def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
@@ -281,10 +364,44 @@ class Program:
             if rng.random() < 0.5:
                 ops.append(OpSpec("residual", j=0))
             blocks.append(tuple(ops))
-        return Program(seed=seed, shape=(b, t, d), blocks=tuple(blocks), stem=rng.random() < 0.5,
-                       input_grad=rng.random() < 0.7, contract=rng.choice(["check", "check", "strict", "off"]),
-                       op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
-                       tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
+        program = Program(seed=seed, shape=(b, t, d), blocks=tuple(blocks), stem=rng.random() < 0.5,
+                          input_grad=rng.random() < 0.7, contract=rng.choice(["check", "check", "strict", "off"]),
+                          op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
+                          tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
+        return program._with_issue18_families()
+
+    def _with_issue18_families(self) -> "Program":
+        """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
+        rng = random.Random(f"issue18-{self.seed}")
+        blocks = []
+        for ops in self.blocks:
+            ops = list(ops)
+            if rng.random() < 0.2:  # an external kernel after the block's first two ops
+                at = rng.randint(2, len(ops))
+                ops.insert(at, OpSpec("external_kernel", k=rng.randrange(len(EXTERNAL_FACTORIES)),
+                                      flag=rng.random() < 0.3))
+            blocks.append(tuple(ops))
+        step = "backward" if rng.random() < 0.7 else rng.choice(STEP_SHAPES[1:])
+        writes = []
+        two_pass = step in TWO_PASS_SHAPES
+        if rng.random() < (0.5 if two_pass else 0.15):
+            where = "between" if two_pass and rng.random() < 0.5 else rng.choice(["forward", "backward"])
+            writes.append(DataWrite(where=where, block=rng.randrange(len(blocks)),
+                                    target=rng.choice(["weight", "input"]), factor=rng.choice([0.5, 1.5, -1.0])))
+        # contract="off" preserves nothing: a .data write is then silently wrong by design (README), not a hole.
+        contract = "check" if writes and self.contract == "off" else self.contract
+        return dataclasses.replace(self, blocks=tuple(blocks), step=step, data_writes=tuple(writes),
+                                   contract=contract)
+
+    def families(self) -> list[str]:
+        """The issue 18 families this program belongs to ("plain" when none)."""
+        out = []
+        if "external_kernel" in self.ops():
+            out.append("external_kernel")
+        out += [f"data_write:{w.where}" for w in self.data_writes]
+        if self.step != "backward":
+            out.append(f"step:{self.step}")
+        return out or ["plain"]
 
     def ops(self) -> list[str]:
         return [op.kind for blk in self.blocks for op in blk]
@@ -292,9 +409,11 @@ class Program:
     def __str__(self) -> str:
         lines = [f"Program(seed={self.seed}, shape[B,T,D]={list(self.shape)}, stem={self.stem}, "
                  f"input_grad={self.input_grad}, contract={self.contract!r}, repeat_first={self.repeat_first}, "
-                 f"tuple_out={self.tuple_out}, autocast={self.autocast})"]
+                 f"tuple_out={self.tuple_out}, autocast={self.autocast}, step={self.step!r})"]
         for i, blk in enumerate(self.blocks):
             lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
+        for w in self.data_writes:
+            lines.append(f"  write: {w}")
         return "\n".join(lines)
 
 
@@ -527,6 +646,9 @@ def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool
         b_, t_, d_ = h.shape
         hc = h.contiguous()
         return hc + hc.as_strided((b_, t_, d_), (t_ * d_, d_, 0)).tanh()  # broadcast the first column
+    if kind == "external_kernel":
+        factory = list(EXTERNAL_FACTORIES)[op.k % len(EXTERNAL_FACTORIES)]
+        return _ExternalKernelFn.apply(h, factory, "ctypes" if op.flag else "numpy")
     if kind == "clone_contig_inplace":
         t = h.transpose(1, 2).clone(memory_format=torch.contiguous_format)
         t.mul_(1.5)
@@ -548,11 +670,29 @@ class ProgramModel(nn.Module):
             return out[0] + 0.1 * out[1]
         return out
 
+    def write_target(self, w: DataWrite) -> torch.Tensor:
+        return self.blocks[w.block].mods["0"].weight if w.target == "weight" else self.block_inputs[w.block]
+
+    def data_write(self, w: DataWrite) -> None:
+        self.write_target(w).data.mul_(w.factor)  # through .data: the version counter does not move
+
+    def _after_block(self, i: int, h: torch.Tensor) -> None:
+        for w in self.program.data_writes:
+            if w.block != i:
+                continue
+            if w.where == "forward":
+                self.data_write(w)
+            elif w.where == "backward" and h.requires_grad:
+                h.register_hook(lambda g, w=w: self.data_write(w))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.block_inputs: dict[int, torch.Tensor] = {}  # the targets of "input" writes (first call of each block)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.program.autocast):
             h = self.stem(x) if self.stem is not None else x
-            for blk in self.blocks:
+            for i, blk in enumerate(self.blocks):
+                self.block_inputs.setdefault(i, h)
                 h = self._call(blk, h)
+                self._after_block(i, h)
             if self.program.repeat_first:
                 h = self._call(self.blocks[0], h)
         return h.float()
@@ -602,12 +742,57 @@ class RunResult:
 RUN_SEED = 12345
 
 
+def _accumulate(tensors: list[torch.Tensor], grads: tuple) -> None:
+    for t, g in zip(tensors, grads):
+        if g is not None:
+            t.grad = g if t.grad is None else t.grad + g
+
+
+def run_step(model: "ProgramModel", program: Program, x: torch.Tensor) -> torch.Tensor:
+    """The forward and backward of one step, shaped by `program.step`; the gradients end in `.grad`. Returns the
+    loss (detached)."""
+    out = model(x)
+    between = [w for w in program.data_writes if w.where == "between"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    wrt = params + ([x] if x.requires_grad else [])
+    shape = program.step
+    if shape == "backward":
+        loss = loss_of(out)
+        loss.backward()
+    elif shape == "retain_twice":
+        loss = loss_of(out)
+        loss.backward(retain_graph=True)
+        for w in between:
+            model.data_write(w)
+        loss.backward()
+    elif shape == "two_losses":
+        l1, l2 = out.square().mean(), out.sum() * 0.01
+        l1.backward(retain_graph=True)
+        for w in between:
+            model.data_write(w)
+        l2.backward()
+        loss = l1 + l2
+    elif shape == "autograd_grad":
+        loss = loss_of(out)
+        _accumulate(wrt, torch.autograd.grad(loss, wrt, allow_unused=True))
+    elif shape == "grad_then_backward":
+        l1, l2 = out.square().mean(), out.sum() * 0.01
+        g1 = torch.autograd.grad(l1, wrt, retain_graph=True, allow_unused=True)
+        for w in between:
+            model.data_write(w)
+        l2.backward()
+        _accumulate(wrt, g1)
+        loss = l1 + l2
+    else:
+        raise KeyError(shape)
+    return loss.detach()
+
+
 def run_plain(model: nn.Module, program: Program) -> RunResult:
     x = make_input(program)
     torch.manual_seed(RUN_SEED)
-    loss = loss_of(model(x))
-    loss.backward()
-    return RunResult(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, x.grad,
+    loss = run_step(model, program, x)
+    return RunResult(loss, {n: p.grad for n, p in model.named_parameters()}, x.grad,
                      {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state())
 
 
@@ -621,12 +806,11 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
         try:
             torch.manual_seed(RUN_SEED)
             with sac.step():
-                loss = loss_of(model(x))
-                loss.backward()
+                loss = run_step(model, program, x)
             stats = sac.last_step
         finally:
             sac.close()
-    return RunResult(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, x.grad,
+    return RunResult(loss, {n: p.grad for n, p in model.named_parameters()}, x.grad,
                      {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state(), stats,
                      [str(w.message) for w in caught])
 
@@ -677,6 +861,8 @@ class ProgramOutcome:
     rejected: bool = False
     stats: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # Policies whose step raised ReplayContractError on a program with a .data write ("rejected, never silent").
+    contract_rejections: dict[str, str] = field(default_factory=dict)
 
 
 def check_program(seed: int, policies: list[str] | None = None) -> ProgramOutcome:
@@ -711,6 +897,11 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
         try:
             got = run_tapesac(model, program, policy)
         except Exception as e:
+            import tapesac
+
+            if program.data_writes and isinstance(e, tapesac.ReplayContractError):
+                outcome.contract_rejections[label] = str(e)  # rejected, not silent: allowed for .data writes
+                continue
             raise ProgramFailure(f"{where}: the tapesac step raised {type(e).__name__}: {e}\n{program}\n"
                                  f"reproduce: cd tests/python && python3 -c 'import random_program as R; "
                                  f"R.check_program({seed})'") from e
@@ -731,3 +922,40 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
         outcome.stats[label] = st
         outcome.warnings += got.warnings
     return outcome
+
+
+def tally(seeds: range) -> dict[str, Any]:
+    """Runs check_program over `seeds` and counts, per family (Program.families), the programs, the failures (a
+    gradient differs, or the step raised) and the contract rejections. For reports: `python random_program.py 0 500`."""
+    per: dict[str, dict[str, int]] = {}
+    failures: list[tuple[int, list[str], str]] = []
+    for seed in seeds:
+        program = Program.generate(seed)
+        fams = program.families()
+        for f in fams:
+            per.setdefault(f, {"programs": 0, "failed": 0, "rejected_by_contract": 0, "non_finite": 0})["programs"] += 1
+        try:
+            outcome = check_program(seed)
+        except ProgramFailure as e:
+            failures.append((seed, fams, str(e).splitlines()[0][:200]))
+            for f in fams:
+                per[f]["failed"] += 1
+            continue
+        for f in fams:
+            per[f]["non_finite"] += outcome.rejected
+            per[f]["rejected_by_contract"] += bool(outcome.contract_rejections)
+    return {"families": per, "failures": failures, "programs": len(seeds)}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    first, last = int(sys.argv[1]), int(sys.argv[2])
+    result = tally(range(first, last))
+    print(json.dumps(result["families"], indent=1, sort_keys=True))
+    print(f"{len(result['failures'])} of {result['programs']} programs failed")
+    for seed, fams, msg in result["failures"]:
+        print(f"  seed {seed} {fams}: {msg}")

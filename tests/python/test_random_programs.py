@@ -5,7 +5,10 @@ views, in-place ops on intermediates, random ops (dropout, rand_like masks, bern
 ops (topk, max/min with indices, sort, var_mean, ...), norms (layer/rms/group/batch norm), cat/stack,
 where/masked_fill, gather/index_select, no_grad regions, a custom autograd Function, out= ops, index_put_ with
 accumulate, scatter_add, masked_scatter, as_strided, torch.utils.checkpoint nested in a block; blocks that return
-tuples, a block called twice per step, and bf16 autocast. Every program runs under
+tuples, a block called twice per step, and bf16 autocast; and issue 18's families: external kernels writing empty*
+buffers through their data pointer, `.data` writes in the forward, inside the backward and between two backward
+passes, and step shapes with a second backward (retain_graph), two losses, and torch.autograd.grad (a program with
+a `.data` write may be rejected with ReplayContractError: rejected, never silent). Every program runs under
 policies "full", "none" and a random set of the ops it records, with a random contract ("check", "strict",
 "off"), and is compared with a plain run from the same seed: loss, every parameter gradient, the input gradient,
 buffers and the CPU RNG state after the step, all with torch.equal.
@@ -53,7 +56,8 @@ def test_random_programs(seeds: range) -> None:
         if outcome.rejected:
             rejected.append(seed)
             continue
-        replayed.update(outcome.stats["full"].ops_replayed_by_name)
+        if "full" in outcome.stats:  # absent when a .data write made the contract reject the "full" step
+            replayed.update(outcome.stats["full"].ops_replayed_by_name)
     assert not failures, (
         f"{len(failures)} of {len(seeds)} random programs differ from the plain run (all seeds: "
         f"{[s for s, _ in failures]}). First failures:\n\n" + "\n\n".join(m for _, m in failures[:3]))
@@ -75,6 +79,24 @@ def test_generator_covers_every_op_kind() -> None:
     missing = sorted(kinds - set(seen))
     assert not missing, f"op kinds never generated in {max(N_PROGRAMS, 500)} programs: {missing}"
     assert {R.Program.generate(s).contract for s in range(50)} == {"check", "strict", "off"}
+
+
+def test_generator_covers_the_issue_18_families() -> None:
+    """The 500 default programs include every issue 18 family often enough to matter: external kernels (every
+    factory, numpy and ctypes), .data writes at every point and to both targets, every step shape."""
+    programs = [R.Program.generate(seed) for seed in range(max(N_PROGRAMS, 500))]
+    families = Counter(f for p in programs for f in p.families())
+    for fam, at_least in [("external_kernel", 100), ("data_write:forward", 20), ("data_write:backward", 20),
+                          ("data_write:between", 15), *[(f"step:{s}", 20) for s in R.STEP_SHAPES[1:]]]:
+        assert families[fam] >= at_least, f"{fam}: {families[fam]} programs of 500, expected >= {at_least}"
+    kernels = Counter(str(op) for p in programs for blk in p.blocks for op in blk if op.kind == "external_kernel")
+    for factory in R.EXTERNAL_FACTORIES:
+        for how in ("numpy", "ctypes"):
+            assert any(factory in k and how in k for k in kernels), f"external kernel {factory}/{how} never drawn"
+    targets = {(w.where, w.target) for p in programs for w in p.data_writes}
+    assert targets == {(w, t) for w in R.DATA_WRITE_POINTS for t in ("weight", "input")}, targets
+    # A program with a .data write never runs with contract="off" (which preserves nothing by design).
+    assert all(p.contract != "off" for p in programs if p.data_writes)
 
 
 def test_generator_is_deterministic() -> None:

@@ -318,6 +318,79 @@ TEST(Prune, NonReplayableOpFails) {
   EXPECT_EQ(prune_ok(b, {b.now(a)}, b.keep({})).ops, (Ops{0}));
 }
 
+// --- Bytes no recorded op wrote (Note [Bytes no recorded op wrote], tape.h) ----------------------------------------
+
+TEST(Prune, ReadOfAnEmptyBufferNoRecordedOpWroteFails) {
+  // out = empty_like(h); a kernel fills out through its data pointer; y = gelu(out). Re-running empty_like would
+  // serve uninitialised memory: neither out nor anything read from it can be rebuilt.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId h = b.op("aten::mm", {x, x});                                         // op 0
+  const ValueId out = b.op("aten::empty_like", {h}, capture::kUninitialized);          // op 1
+  const ValueId y = b.op("aten::gelu", {out});                                        // op 2
+  const PruneResult r = prune(b.tape, {b.now(out)}, b.keep({}));
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.blocking_value, out);
+  EXPECT_NE(r.reason.find("no recorded op wrote"), std::string::npos) << r.reason;
+  EXPECT_NE(r.reason.find("aten::empty_like"), std::string::npos) << r.reason;
+  const PruneResult ry = prune(b.tape, {b.now(y)}, b.keep({}));
+  EXPECT_FALSE(ry.ok);
+  EXPECT_EQ(ry.blocking_op, 2);
+  // Kept (live at its final state), the buffer serves the replay of y.
+  EXPECT_EQ(prune_ok(b, {b.now(y)}, b.keep({out})).ops, (Ops{2}));
+}
+
+TEST(Prune, EmptyBufferOverwrittenByARecordedOpIsRebuilt) {
+  // buf = empty(); buf.copy_(h) (self overwritten, not read); y = exp(buf): replay runs empty, copy_, exp.
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId h = b.op("aten::relu", {x});                                        // op 0
+  const ValueId buf = b.op("aten::empty", {}, capture::kUninitialized);             // op 1
+  const ValueId filled = b.inplace("aten::copy_", buf, {h});                        // op 2
+  const ValueId y = b.op("aten::exp", {filled});                                    // op 3
+  // The recorder marks copy_'s self as overwritten; without the mark the read of buf at state 1 is refused.
+  PruneResult refused = prune(b.tape, {b.now(y)}, b.keep({}));
+  EXPECT_FALSE(refused.ok);
+  EXPECT_EQ(refused.blocking_op, 2);
+  const_cast<capture::OpRecord&>(b.tape.op(2)).inputs[0].overwritten = true;
+  EXPECT_EQ(prune_ok(b, {b.now(y)}, b.keep({})).ops, (Ops{0, 1, 2, 3}));
+  EXPECT_EQ(prune_ok(b, {b.now(filled)}, b.keep({})).ops, (Ops{0, 1, 2}));
+}
+
+TEST(Prune, OutVariantIntoAnEmptyBufferIsRebuilt) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId buf = b.op("aten::empty_like", {x}, capture::kUninitialized);  // op 0
+  const ValueId s = b.out_variant("aten::sigmoid.out", {x}, buf);              // op 1
+  const_cast<capture::OpRecord&>(b.tape.op(1)).inputs[1].overwritten = true;   // the out= argument
+  EXPECT_EQ(prune_ok(b, {b.now(s)}, b.keep({})).ops, (Ops{0, 1}));
+}
+
+TEST(Prune, ViewOfAnEmptyBufferReadsNoBytesButItsReadersDo) {
+  TapeBuilder b;
+  const ValueId buf = b.op("aten::empty", {}, capture::kUninitialized);  // op 0
+  const ValueId v = b.view("aten::view", buf);                           // op 1
+  const ValueId y = b.op("aten::tanh", {v});                             // op 2
+  EXPECT_FALSE(prune(b.tape, {b.now(y)}, b.keep({})).ok);
+  EXPECT_FALSE(prune(b.tape, {b.now(v)}, b.keep({})).ok);
+  // The buffer kept: the view is rebuilt from it (path through view ops to a live value).
+  EXPECT_EQ(prune_ok(b, {b.now(v)}, b.keep({buf})).ops, (Ops{1}));
+  EXPECT_EQ(prune_ok(b, {b.now(y)}, b.keep({buf})).ops, (Ops{1, 2}));
+}
+
+TEST(Prune, EmptyBufferOfZeroBytesIsRebuilt) {
+  TapeBuilder b;
+  OpRecord rec;
+  rec.kind = capture::intern_op_kind("aten::empty");
+  rec.flags = capture::kUninitialized;
+  const StorageId s = b.tape.add_storage(false, 0);
+  rec.writes.push_back(s);
+  rec.outputs.push_back(b.tape.add_output_value(s, 1, meta_of_bytes(0)));
+  b.tape.add_op(std::move(rec));
+  const ValueId e = b.tape.op(0).outputs[0];
+  EXPECT_EQ(prune_ok(b, {b.now(e)}, b.keep({})).ops, (Ops{0}));
+}
+
 TEST(Prune, RandomOpIsReplayable) {
   TapeBuilder b;
   const ValueId x = b.ext();

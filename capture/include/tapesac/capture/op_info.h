@@ -30,6 +30,20 @@ struct OpInfo {
   bool effectful = false;
   /// Per argument: alias annotation with a write (Tensor(a!)).
   std::vector<bool> writes_arg;
+  /// Per argument: the op does not read this tensor's bytes — it overwrites it whole (out= arguments, the self of
+  /// copy_, fill_, zero_ and the random fills) or reads only its metadata (the self of *_like and new_* factories).
+  /// See Note [Bytes no recorded op wrote] in tape.h.
+  std::vector<bool> bytes_unread_arg;
+  /// Allocates or resizes storage without setting its bytes (empty*, empty.out, resize_): kUninitialized.
+  bool uninitialized = false;
+  /// The kernel's results depend on grad mode, which replay (inside the backward) does not reproduce: e.g.
+  /// aten::mkldnn_rnn_layer (nn.LSTM on CPU) runs oneDNN's training primitive, with a workspace output, only with
+  /// grad mode on, and its inference primitive gives other bits. Recorded with grad mode on, it is not replayed.
+  bool grad_mode_kernel = false;
+  /// aten::fill_: with torch.use_deterministic_algorithms(True) and fill_uninitialized_memory (the default), PyTorch
+  /// fills what empty.out / resize_ allocate with NaN through a fill_ the recorder sees; that fill still counts as
+  /// leaving the bytes unset (Note [Bytes no recorded op wrote]).
+  bool fill = false;
   /// Argument positions (or -1): dropout probability, train flag, explicit generator.
   int p_arg = -1;
   int train_arg = -1;

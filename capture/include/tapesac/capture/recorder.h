@@ -6,6 +6,10 @@
 // Identity without keeping memory alive: the recorder maps TensorImpl and StorageImpl addresses to tape ids and
 // holds *weak* references to both, so an address cannot be reused while the block records, yet a freed tensor's
 // memory is really released. Strong references are taken only for external values (needed as replay inputs).
+//
+// Bytes no recorded op wrote (Note [Bytes no recorded op wrote], tape.h): a read of such bytes (an empty* buffer a
+// kernel filled through its data pointer) registers the tensor read as an external value — held live, never rebuilt
+// — and find_value() answers -1 for it, so that a saved tensor with such bytes is opaque (kept and counted).
 #pragma once
 
 #include <chrono>
@@ -20,6 +24,7 @@
 #include <ATen/record_function.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include "tapesac/capture/byte_cover.h"
 #include "tapesac/capture/op_info.h"
 #include "tapesac/capture/op_payload.h"
 #include "tapesac/capture/op_timer.h"
@@ -86,10 +91,11 @@ class Recorder {
   /// Drops every strong reference, payload and tape entry (after the step).
   void clear() noexcept;
 
-  /// The tape value `t` currently is (its latest version), or -1 when the recorder has not seen it.
+  /// The tape value `t` currently is (its latest version), or -1 when the recorder has not seen it or when its bytes
+  /// were written by no recorded op (opaque: Note [Bytes no recorded op wrote]).
   ValueId find_value(const at::Tensor& t) const;
-  /// The latest value of the tensor whose TensorImpl is `impl` (identity only; -1 when unknown). `impl` must be
-  /// alive (its address is not reused while the caller holds it).
+  /// The latest value of the tensor whose TensorImpl is `impl` (identity only; -1 when unknown or opaque, as
+  /// find_value). `impl` must be alive (its address is not reused while the caller holds it).
   ValueId find_value_of_impl(const c10::TensorImpl* impl) const;
   /// True while a recorded op has started and not yet finished on this thread (its outputs are not on the tape).
   bool op_open() const { return !open_.empty(); }
@@ -108,6 +114,8 @@ class Recorder {
     bool has_tensor_args = false;
     OpIndex tape_size = 0;   // tape length when the op started
     bool timed = false;      // the op timer has a bracket open for this frame
+    // Inputs that read bytes no recorded op wrote: (index in `inputs`, the tensor read). Usually empty.
+    std::vector<std::pair<size_t, at::Tensor>> unwritten;
     std::chrono::steady_clock::time_point start;
   };
 
@@ -120,6 +128,18 @@ class Recorder {
   const OpInfo* should_record(const at::RecordFunction& fn);
 
   StorageId storage_of(const at::Tensor& t, bool create_external);
+  /// find_value without the opaque filter.
+  ValueId lookup(const at::Tensor& t) const;
+  /// True when value `v` viewed as `view` shows bytes no recorded op wrote (or was registered for such a read).
+  bool opaque(ValueId v, const TensorMeta& view) const;
+  /// Coverage after a recorded op (Note [Bytes no recorded op wrote]): a kUninitialized op resets the storages it
+  /// writes; any other op marks its outputs' bytes on the storages it writes.
+  void note_writes(const OpRecord& rec);
+  /// True for the fill_ with which deterministic mode sets what the previous (kUninitialized) op allocated: see
+  /// OpInfo::fill.
+  bool deterministic_fill(const OpInfo& info, const OpRecord& rec) const;
+  /// At the op's exit: unless the call is a view, each input in f.unwritten becomes an external value (opaque).
+  void externalize_unwritten(Frame& f, OpRecord& rec, const at::RecordFunction& fn, bool writes);
   ValueId value_for_input(const at::Tensor& t);
   ValueId add_external(const at::Tensor& t, StorageId s);
   void add_input(Frame& f, const at::Tensor& t, int arg, int elem);
@@ -147,6 +167,11 @@ class Recorder {
   // Values of each storage as a linked list, newest first (no allocation per storage).
   std::vector<ValueId> last_value_of_storage_;
   std::vector<ValueId> prev_value_same_storage_;
+  // Per storage: the bytes recorded ops wrote since its last uninitialising write; null when not tracked (created by
+  // an op that sets its bytes, or external). Empty until an uninitialising op runs.
+  std::vector<std::unique_ptr<ByteCover>> cover_;
+  // Values registered for a read of bytes no recorded op wrote (1); indexed by ValueId, may be short.
+  std::vector<uint8_t> opaque_;
 
   // One entry per dispatcher call in progress (1: it has a frame in open_), and the frames of the tracked ones.
   std::vector<uint8_t> call_stack_;

@@ -9,6 +9,16 @@
 // storage's *state* is the number of writers that have run, so reading a storage "at state k" means that writers
 // [0, k) have happened. An internal storage is at state 1 right after its creator; an external one starts at 0.
 // A *value* is one tensor view (sizes, strides, offset, dtype) of a storage, produced by one op (or external).
+//
+// Note [Bytes no recorded op wrote]. Some ops allocate or resize a storage without setting its bytes (empty*,
+// empty.out, resize_: kUninitialized). A kernel that runs outside the dispatcher (Triton, a CUDA extension called
+// through pybind, ctypes, a write through `.numpy()`) then fills them, and the tape sees nothing of it: replaying
+// the empty* op would serve uninitialised memory. So a read of bytes that no recorded op wrote since the last
+// kUninitialized write cannot be replayed. The recorder finds such reads by tracking, per storage, the bytes
+// recorded ops wrote (ByteCover); the tensor read is registered as an external value (held live, never rebuilt) and
+// is opaque to pack (see Recorder::find_value). An argument an op writes without reading its bytes (an out=
+// argument, the self of copy_, fill_, zero_ and the random fills) is not such a read (ArgRef::overwritten). The
+// pruning pass refuses the coarse case on its own: a byte read of a storage whose last writer is kUninitialized.
 #pragma once
 
 #include <cstdint>
@@ -71,6 +81,9 @@ struct ArgRef {
   int32_t state = 0;
   /// The op only takes metadata from this argument: an output aliases its storage and the op writes nothing.
   bool meta_only = false;
+  /// The op writes this argument without reading its bytes (an out= argument, copy_/fill_/zero_/random fills' self),
+  /// or reads only its metadata (the self of *_like and new_* factories). See Note [Bytes no recorded op wrote].
+  bool overwritten = false;
 };
 
 enum OpFlag : uint32_t {
@@ -84,6 +97,9 @@ enum OpFlag : uint32_t {
   kView = 1u << 3,
   /// Bitwise results may differ between runs on this device (schema tag nondeterministic_bitwise on CUDA).
   kNondeterministic = 1u << 4,
+  /// The op allocates or resizes storage without setting its bytes (empty*, empty.out, resize_). See Note [Bytes no
+  /// recorded op wrote].
+  kUninitialized = 1u << 5,
 };
 
 /// Where a tape's OpRecord::duration_ns figures come from (see Note [Op times] in op_timer.h).

@@ -8,7 +8,9 @@
 // v's storage up to state k — except when v's final bytes can be reached from live values through view ops alone.
 // External storages are never rebuilt: a byte read of one at a state other than its final one cannot be replayed,
 // and neither can an op that writes one. classify_read() is the single place that decides, so that the pruning
-// pass and the replayer agree.
+// pass and the replayer agree. One more refusal lives in the pruning pass alone, because it depends on the reader:
+// a byte read (not ArgRef::overwritten) of an internal storage whose last writer before the read is kUninitialized
+// reads bytes no recorded op wrote and cannot be replayed (Note [Bytes no recorded op wrote], tape.h).
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,1020 @@
+"""The correctness holes of issue 18, each pinned as a family of tests (items 1-7 of the issue).
+
+1. Outputs written outside the dispatcher: a block's autograd.Function allocates its output with an empty*-like
+   factory (or an out= buffer) and a "kernel" fills it through its data pointer (`.numpy()`, ctypes). Replay must
+   not re-run the factory and serve uninitialised memory: the buffer is opaque, kept and counted.
+2. A `.data` write between two backward passes of one step (or inside the backward) to a tensor a replay reads:
+   recovered (bitwise equal to a plain run) or rejected (ReplayContractError), never silent.
+3. The same model used on another thread while a step is open, and two threads each with their own TapeSAC on one
+   model: the step's hooks must do nothing on any thread but the step's own. Interleavings are forced with events.
+4. torch.func transforms (grad, vjp, jacrev, jacfwd, vmap, hessian, functional_call under them) inside a step:
+   exact like plain PyTorch, or a typed TapeSACError that says how to proceed.
+5. policy="auto" in less common step shapes: every step under the user's limit, a limit at or above the
+   no-checkpoint peak keeps everything, a MemoryLimitError names the user's limit and a figure that is feasible.
+6. nn.LSTM in a block (aten::mkldnn_rnn_layer): replayed exactly or kept; a replay whose op returns other metadata
+   than the forward for unchanged inputs says what differed, not that the inputs changed shape.
+7. memory_limit="1e400" (and other out-of-range sizes) is a ConfigError; a policy callable that raises reaches the
+   user as a ConfigError carrying its exception.
+
+The reference is always a deep copy run without tapesac (CPU, fp32): loss and every gradient bitwise equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models as M
+from conftest import assert_same_grads, assert_same_tensor, reference_check
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D = 16
+
+
+def _same_grads(model: nn.Module, ref: nn.Module) -> list[str]:
+    """Names (and max |diff|) of the parameters whose .grad differs from the reference's; [] when all are equal."""
+    out = []
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if (p.grad is None) != (q.grad is None):
+            out.append(f"{name}: defined {p.grad is not None} vs {q.grad is not None}")
+        elif p.grad is not None and not torch.equal(p.grad, q.grad):
+            out.append(f"{name}: max |diff| {(p.grad.double() - q.grad.double()).abs().max().item():.3e}")
+    return out
+
+
+# ======================================================================================================================
+# 1. Outputs written outside the dispatcher
+# ======================================================================================================================
+
+
+def _empty_out(x: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros(0)
+    torch.empty(x.shape, out=buf)  # an out= buffer resized (uninitialised) by aten::empty.out
+    return buf
+
+
+FACTORIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "empty": lambda x: torch.empty(x.shape),
+    "empty_like": torch.empty_like,
+    "new_empty": lambda x: x.new_empty(x.shape),
+    "empty_strided": lambda x: torch.empty_strided(x.shape, x.stride()),
+    "empty_strided_transposed": lambda x: torch.empty_strided(x.shape, (x.shape[1] * x.shape[2], 1, x.shape[1])),
+    "new_empty_strided": lambda x: x.new_empty_strided(x.shape, x.stride()),
+    "empty_permuted": lambda x: torch.empty_permuted(x.shape, (2, 0, 1)),
+    "empty_out": _empty_out,
+    "empty_then_view": lambda x: torch.empty(x.numel()).view(x.shape),
+}
+
+
+def _fill_numpy(out: torch.Tensor, values: np.ndarray) -> None:
+    out.numpy()[...] = values  # writes through the data pointer (numpy handles the strides)
+
+
+def _fill_ctypes(out: torch.Tensor, values: np.ndarray) -> None:
+    # A C kernel writing through the data pointer: for a non-contiguous buffer, element by element (as a kernel
+    # indexing with strides would).
+    src = np.ascontiguousarray(values, dtype=np.float32)
+    if out.is_contiguous():
+        ctypes.memmove(out.data_ptr(), src.ctypes.data, src.nbytes)
+        return
+    flat = src.reshape(-1)
+    base = out.data_ptr()
+    for i, idx in enumerate(np.ndindex(*out.shape)):
+        off = sum(k * s for k, s in zip(idx, out.stride()))
+        ctypes.memmove(base + 4 * off, flat.ctypes.data + 4 * i, 4)
+
+
+FILLS = {"numpy": _fill_numpy, "ctypes": _fill_ctypes}
+
+
+class _ExternalTanh(torch.autograd.Function):
+    """tanh computed by a kernel the dispatcher does not see: its output buffer comes from an empty*-like factory
+    and is filled through the data pointer (how Triton kernels, pybind/ctypes CUDA extensions and fast paths such
+    as causal-conv1d or mamba-ssm work). The output is saved for backward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, factory: str, fill: str) -> torch.Tensor:
+        hd = h.detach()
+        out = FACTORIES[factory](hd)
+        FILLS[fill](out, np.tanh(hd.numpy()))
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        return g * (1 - out * out), None, None
+
+
+class _HalfRecordedTanh(torch.autograd.Function):
+    """One half of the empty buffer is written by a recorded op (copy_ into a slice), the other half through numpy:
+    the buffer as a whole still has bytes no recorded op wrote."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        hd = h.detach()
+        out = torch.empty_like(hd)
+        k = hd.shape[-1] // 2
+        out[..., :k].copy_(torch.tanh(hd[..., :k]))
+        out.numpy()[..., k:] = np.tanh(hd.numpy()[..., k:])
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        return g * (1 - out * out)
+
+
+class ExternalKernelBlock(nn.Module):
+    """x -> fc1 -> external tanh (saved by itself and by fc2) -> fc2 -> gelu -> sin, + x.
+    gelu's and sin's inputs are droppable: their replay reads the external buffer (which must be served live)."""
+
+    def __init__(self, factory: str, fill: str = "numpy", d: int = D):
+        super().__init__()
+        self.factory, self.fill = factory, fill
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        a = _HalfRecordedTanh.apply(h) if self.factory == "half_recorded" else _ExternalTanh.apply(h, self.factory, self.fill)
+        return torch.sin(F.gelu(self.fc2(a))) + x
+
+
+def _external_stack(factory: str, fill: str = "numpy") -> M.Stack:
+    return M.Stack([ExternalKernelBlock(factory, fill), ExternalKernelBlock(factory, fill)])
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 6, D, requires_grad=True)
+
+
+def _peak(make_model: Callable[[], nn.Module], policy: str, **kw) -> int:
+    import tapesac
+
+    torch.manual_seed(0)
+    model = make_model()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy, **kw)
+    try:
+        torch.manual_seed(1000)
+        x = _x()
+        with sac.step():
+            model(x).square().mean().backward()
+        return sac.last_step.memory.peak_bytes
+    finally:
+        sac.close()
+
+
+EXTERNAL_POLICIES = ["full", "op_set", "auto", "emulated_graph"]
+
+
+def _external_check(make_model: Callable[[], nn.Module], policy: str):
+    kwargs: dict[str, Any] = {}
+    expect_drop: bool | None = True
+    steps = 3
+    if policy == "op_set":
+        pol: Any = {"aten::addmm", "aten::mm"}  # keeps fc outputs; gelu's output is dropped, the external buffer decided by policy
+    elif policy == "auto":
+        pol = "auto"
+        kwargs["memory_limit"] = _peak(make_model, "full")  # the measuring step runs "full"; then the plan
+        expect_drop = False  # the plan may keep everything on a model this small; step 1 drops
+    elif policy == "emulated_graph":
+        pol = "full"
+        kwargs["backend"] = "emulated_graph"
+    else:
+        pol = policy
+    res = reference_check(make_model, lambda: (_x(),), pol, "blocks.*", steps=steps, sac_kwargs=kwargs,
+                          expect_drop=expect_drop, optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    first = res.all_stats[0]
+    assert first.dropped_tensors > 0 and first.ops_replayed > 0, f"step 1 dropped or replayed nothing: {first}"
+    return res
+
+
+@pytest.mark.parametrize("policy", EXTERNAL_POLICIES)
+@pytest.mark.parametrize("factory", list(FACTORIES))
+def test_output_written_through_numpy_is_kept_not_replayed(factory: str, policy: str) -> None:
+    """Issue 18 item 1 (silent wrong gradients on main: NaN or off by orders of magnitude). The empty* buffer the
+    kernel filled is opaque: kept, counted in opaque_tensors, and read live by the replays around it."""
+    res = _external_check(lambda: _external_stack(factory, "numpy"), policy)
+    for st in res.all_stats:
+        assert st.opaque_tensors >= 2, f"the external buffers (one per block) are not counted as opaque: {st}"
+
+
+@pytest.mark.parametrize("policy", ["full", "auto"])
+@pytest.mark.parametrize("factory", ["empty_like", "empty_strided_transposed", "empty_out"])
+def test_output_written_through_ctypes_is_kept_not_replayed(factory: str, policy: str) -> None:
+    res = _external_check(lambda: _external_stack(factory, "ctypes"), policy)
+    assert res.stats.opaque_tensors >= 2, res.stats
+
+
+@pytest.mark.parametrize("policy", ["full", "op_set"])
+def test_buffer_half_written_by_a_recorded_op_is_still_opaque(policy: str) -> None:
+    """Coverage is per byte: a recorded copy_ into one half does not make the numpy-written half rebuildable."""
+    res = _external_check(lambda: _external_stack("half_recorded"), policy)
+    assert res.stats.opaque_tensors >= 2, res.stats
+
+
+class _RecordedFillBlock(nn.Module):
+    """Control: empty* buffers whose bytes recorded ops write (copy_, out=, slice assignment, normal_ under a
+    no-grad region) replay normally — nothing is opaque, and they are dropped and rebuilt."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a = torch.empty_like(h)
+        a.copy_(h.tanh())  # copy_ overwrites the empty buffer
+        b = h.new_empty(h.shape)
+        torch.sigmoid(h.detach(), out=b)  # an out= op (out= ops do not support autograd)
+        c = torch.empty(h.shape[:-1] + (2 * h.shape[-1],))
+        c[..., : h.shape[-1]] = a  # two slice assignments cover the buffer
+        c[..., h.shape[-1]:] = b
+        return (c[..., : h.shape[-1]] * c[..., h.shape[-1]:]).sin() + x
+
+
+def test_empty_buffers_written_by_recorded_ops_are_still_rebuilt() -> None:
+    res = reference_check(lambda: M.Stack([_RecordedFillBlock(), _RecordedFillBlock()]), lambda: (_x(),), "full", "blocks.*")
+    st = res.stats
+    assert st.opaque_tensors == 0, f"a buffer written by recorded ops was made opaque: {st}"
+    assert st.dropped_tensors >= 4 and "aten::empty_like" in st.ops_replayed_by_name, st
+
+
+def test_strict_catches_a_write_through_numpy_over_bytes_a_recorded_op_wrote() -> None:
+    """The part of the family that no bookkeeping can see: a buffer a recorded op initialised (zeros) and a kernel
+    then overwrote through its data pointer. "strict" must catch it (README: writes outside the dispatcher)."""
+    import tapesac
+
+    class ZerosThenNumpy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h):
+            out = torch.zeros_like(h.detach())
+            out.numpy()[...] = np.tanh(h.detach().numpy())
+            ctx.save_for_backward(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            (out,) = ctx.saved_tensors
+            return g * (1 - out * out)
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x):
+            return ZerosThenNumpy.apply(self.fc(x)).sin()
+
+    torch.manual_seed(0)
+    model = M.Stack([Blk()])
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full", contract="strict")
+    try:
+        with pytest.raises(tapesac.ReplayContractError, match="diverged"):
+            with sac.step():
+                model(_x()).square().mean().backward()
+    finally:
+        sac.close()
+
+
+# ======================================================================================================================
+# 2. `.data` writes between backwards (and inside the backward)
+# ======================================================================================================================
+
+
+def _mlp_stack() -> M.Stack:
+    return M.Stack([M.MLPBlock(D, 2 * D), M.MLPBlock(D, 2 * D)])
+
+
+def _write_target(model: M.Stack, x: torch.Tensor, target: str) -> torch.Tensor:
+    """The tensor written through .data: read by block 0's replay (its fc1 weight, or the block's input)."""
+    return model.blocks[0].fc1.weight if target == "weight" else x
+
+
+def _data_write(t: torch.Tensor) -> None:
+    t.data.mul_(0.5)  # .data: the version counter does not move
+
+
+def _two_backward_step(model: M.Stack, x: torch.Tensor, when: str, target: str) -> None:
+    if when == "in_backward_hook":
+        h = model.blocks[0](x)
+        # Runs after block 1's backward, before block 0's: block 0's replay reads the written tensor.
+        h.register_hook(lambda g: (_data_write(_write_target(model, x, target)), g)[1])
+        model.blocks[1](h).square().mean().backward()
+        return
+    out = model(x)
+    loss1, loss2 = out.square().mean(), out.sum() * 0.01
+    loss1.backward(retain_graph=True)
+    _data_write(_write_target(model, x, target))
+    if when == "between_backwards":
+        loss2.backward()
+    else:  # "before_autograd_grad"
+        params = list(model.parameters())
+        grads = torch.autograd.grad(loss2, params)
+        for p, g in zip(params, grads):
+            p.grad = p.grad + g
+
+
+@pytest.mark.parametrize("policy", ["full", "op_set"])
+@pytest.mark.parametrize("target", ["weight", "input"])
+@pytest.mark.parametrize("when", ["between_backwards", "before_autograd_grad", "in_backward_hook"])
+def test_data_write_between_backwards_is_recovered_or_rejected(when: str, target: str, policy: str) -> None:
+    """Issue 18 item 2 (silent on main): the watcher pauses during the backward and `.data` does not move the
+    version counter. Either the replay sees the bytes the forward saw (then every gradient equals the plain run's)
+    or the step raises ReplayContractError — never different gradients without an error."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = _mlp_stack()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, D)
+    xr = x.clone()
+    _two_backward_step(ref, xr, when, target)
+    # The op set keeps gelu's outputs: fc1's output is dropped and its replay reads fc1's weight and the input.
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full" if policy == "full" else {"aten::gelu"})
+    try:
+        try:
+            with sac.step():
+                _two_backward_step(model, x, when, target)
+        except tapesac.ReplayContractError:
+            assert sac.last_records and sac.last_records[-1]["status"] == "rejected", sac.last_records
+            return
+        st = sac.last_step
+        assert st.ops_replayed > 0, f"nothing was replayed: the test checks nothing: {st}"
+        diffs = _same_grads(model, ref)
+        assert not diffs, (f"silent wrong gradients after a .data write {when} (target {target}): {diffs}; "
+                           f"records {sorted({r['status'] for r in sac.last_records})}")
+    finally:
+        sac.close()
+
+
+# ======================================================================================================================
+# 3. Other threads while a step is open
+# ======================================================================================================================
+
+TIMEOUT = 20.0
+
+
+class _Gate:
+    """A pause point: `pause()` (on the paused thread) signals `reached` and waits for `go`."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def pause(self) -> None:
+        self.reached.set()
+        assert self.go.wait(TIMEOUT), "gate: never released (deadlock in the test)"
+
+    def wait_reached(self) -> None:
+        assert self.reached.wait(TIMEOUT), "gate: the other thread never reached the pause point"
+
+
+def _thread_plain_work(model: nn.Module, x: torch.Tensor, mode: str) -> Any:
+    """What a thread that never uses tapesac does with the shared model: training gradients (autograd.grad, so that
+    .grad is untouched) or no-grad evaluation."""
+    if mode == "eval":
+        with torch.no_grad():
+            return model(x)
+    out = model(x)
+    return torch.autograd.grad(out.square().mean(), list(model.parameters()))
+
+
+def _run_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+def _join(t: threading.Thread, box: dict, what: str) -> Any:
+    t.join(TIMEOUT)
+    assert not t.is_alive(), f"{what}: the thread did not finish"
+    if "error" in box:
+        e = box["error"]
+        raise AssertionError(f"{what}: the thread that never uses tapesac raised {type(e).__name__}: {e}") from e
+    return box["result"]
+
+
+def _compare_thread_result(got: Any, want: Any, what: str) -> None:
+    if isinstance(got, torch.Tensor):
+        assert_same_tensor(what, got, want)
+        return
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same_tensor(f"{what} grad #{i}", g, w)
+
+
+INTERLEAVINGS = ["inside_block", "between_blocks", "after_forward", "in_backward", "thread_inside_block",
+                 "thread_outlives_step"]
+
+
+def one_interleaving(where: str, mode: str, policy: str = "full") -> None:
+    """Main thread: one step of TapeSAC(policy) on a 3-block stack. Another thread, which never uses tapesac, runs
+    the same model (`mode`: training gradients through autograd.grad, or no-grad evaluation) at the point `where`,
+    forced with events:
+      inside_block      while the main thread is paused inside block 1's forward;
+      between_blocks    while the main thread is paused between block 1 and block 2;
+      after_forward     between the main thread's forward and backward;
+      in_backward       inside the main thread's backward (after block 2's backward and replay, before block 1's);
+      thread_inside_block   the thread pauses inside its block 1 while the main thread runs its whole forward and
+                            backward, and finishes before the step ends;
+      thread_outlives_step  the same, but the thread finishes after the step has ended.
+    Both threads' results must equal plain runs bitwise, and the step must count only its own block calls."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([M.MLPBlock(D, 2 * D), M.MLPBlock(D, 2 * D), M.MLPBlock(D, 2 * D)])
+    ref = copy.deepcopy(model)
+    x, x2 = torch.randn(2, 6, D), torch.randn(3, 5, D)
+    ref(x).square().mean().backward()
+    want_thread = _thread_plain_work(copy.deepcopy(model), x2, mode)
+
+    main_id = threading.get_ident()
+    is_main = lambda: threading.get_ident() == main_id  # noqa: E731
+    gate = _Gate()
+    handles = []
+    if where == "inside_block":
+        handles.append(model.blocks[1].fc1.register_forward_hook(lambda *a: gate.pause() if is_main() else None))
+    elif where == "between_blocks":  # registered before the step's hooks: runs before tapesac opens block 2
+        handles.append(model.blocks[2].register_forward_pre_hook(lambda *a: gate.pause() if is_main() else None))
+    elif where in ("thread_inside_block", "thread_outlives_step"):
+        handles.append(model.blocks[1].fc1.register_forward_hook(lambda *a: None if is_main() else gate.pause()))
+    in_backward: dict = {}
+    if where == "in_backward":
+        def run_thread_now(g: torch.Tensor) -> torch.Tensor:
+            t, b = _run_thread(lambda: _thread_plain_work(model, x2, mode))
+            t.join(TIMEOUT)
+            in_backward.update(thread=t, box=b)
+            return g
+
+        def on_block1_output(m, a, out):
+            if is_main():
+                out.register_hook(run_thread_now)
+            return None  # a forward hook's return value would replace the output
+
+        handles.append(model.blocks[1].register_forward_hook(on_block1_output))
+
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    what = f"{where}/{mode}"
+    try:
+        thread = box = None
+        with sac.step():
+            if where in ("inside_block", "between_blocks"):
+                # The thread waits until the main thread pauses, runs whole, then a third thread releases the main.
+                thread, box = _run_thread(lambda: (gate.wait_reached(), _thread_plain_work(model, x2, mode))[1])
+                _run_thread(lambda: (thread.join(TIMEOUT), gate.go.set()))
+            elif where in ("thread_inside_block", "thread_outlives_step"):
+                thread, box = _run_thread(lambda: _thread_plain_work(model, x2, mode))
+                gate.wait_reached()
+            out = model(x)
+            loss = out.square().mean()
+            if where == "after_forward":
+                thread, box = _run_thread(lambda: _thread_plain_work(model, x2, mode))
+                thread.join(TIMEOUT)
+            loss.backward()
+            if where == "in_backward":
+                thread, box = in_backward["thread"], in_backward["box"]
+            if where == "thread_inside_block":
+                gate.go.set()
+                thread.join(TIMEOUT)
+        if where == "thread_outlives_step":
+            gate.go.set()
+        got_thread = _join(thread, box, what)
+        _compare_thread_result(got_thread, want_thread, f"{what}: the other thread's")
+        assert_same_grads(model, ref, f"{what}: the step's ")
+        st = sac.last_step
+        assert st.block_calls == 3, f"{what}: the step counted another thread's block calls: {st.block_calls}"
+        # Nothing of tapesac is left behind on this thread: a plain run after the step is exact.
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        again = _thread_plain_work(model, x2, mode)
+        _compare_thread_result(again, want_thread, f"{what}: a plain run after the step")
+    finally:
+        gate.go.set()
+        for h in handles:
+            h.remove()
+        sac.close()
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _isolated(call: str, what: str, timeout: float = 600) -> None:
+    """Runs `call` (Python using this module as `U`) in a fresh interpreter, so that a crash there (issue 18 saw heap
+    corruption and SIGSEGV) fails this test instead of killing the pytest session."""
+    code = (f"import sys\nsys.path.insert(0, {HERE!r})\nimport torch\n"
+            "torch.use_deterministic_algorithms(True)\ntorch.set_num_threads(1)\n"
+            f"import test_user_holes as U\n{call}\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=HERE)
+    if r.returncode != 0:
+        how = f"signal {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exit code {r.returncode}"
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-12:])
+        raise AssertionError(f"{what}: the isolated run ended with {how}:\n{tail}")
+
+
+REPEATS = 8
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("where", INTERLEAVINGS)
+def test_other_thread_uses_the_model_while_a_step_is_open(where: str, mode: str) -> None:
+    """Issue 18 item 3: the step's module hooks fire on every thread. A thread that never uses tapesac must get
+    plain PyTorch results, and the step must stay exact. Each interleaving is forced with events, REPEATS times,
+    in a separate interpreter."""
+    _isolated(f"for _ in range({REPEATS}):\n    U.one_interleaving({where!r}, {mode!r})", f"{where}/{mode}")
+
+
+def test_two_threads_each_with_own_tapesac_on_one_model() -> None:
+    """Issue 18 item 3: two TapeSACs on one model, stepping on two threads whose forwards interleave (thread B's
+    whole step runs while thread A is paused inside a block): each step exact and counting its own blocks only."""
+    _isolated(f"U.two_instances_one_model({REPEATS})", "two TapeSACs on one model")
+
+
+def two_instances_one_model(repeats: int) -> None:
+    import tapesac
+
+    for rep in range(repeats):
+        torch.manual_seed(rep)
+        model = M.Stack([M.MLPBlock(D, 2 * D), M.MLPBlock(D, 2 * D)])
+        xa, xb = torch.randn(2, 6, D), torch.randn(3, 4, D)
+        want = {}
+        for name, xx in (("a", xa), ("b", xb)):
+            r = copy.deepcopy(model)
+            want[name] = torch.autograd.grad(r(xx).square().mean(), list(r.parameters()))
+        gate = _Gate()
+        a_id: list[int] = []
+        hook = model.blocks[1].fc1.register_forward_hook(
+            lambda *a: gate.pause() if a_id and threading.get_ident() == a_id[0] else None)
+        sacs = {n: tapesac.TapeSAC(model, blocks="blocks.*", policy="full") for n in ("a", "b")}
+        got: dict = {}
+
+        def step(name: str, xx: torch.Tensor) -> Any:
+            if name == "a":
+                a_id.append(threading.get_ident())
+            with sacs[name].step():
+                g = torch.autograd.grad(model(xx).square().mean(), list(model.parameters()))
+            return g, sacs[name].last_step
+
+        try:
+            ta, box_a = _run_thread(lambda: step("a", xa))
+            gate.wait_reached()
+            tb, box_b = _run_thread(lambda: step("b", xb))
+            tb.join(TIMEOUT)
+            gate.go.set()
+            for name, t, box in (("a", ta, box_a), ("b", tb, box_b)):
+                t.join(TIMEOUT)
+                assert not t.is_alive(), f"rep {rep}: thread {name} did not finish"
+                if "error" in box:
+                    e = box["error"]
+                    raise AssertionError(f"rep {rep}: thread {name} raised {type(e).__name__}: {e}") from e
+                got[name] = box["result"]
+            for name in ("a", "b"):
+                grads, st = got[name]
+                for i, (g, w) in enumerate(zip(grads, want[name])):
+                    assert_same_tensor(f"rep {rep}: thread {name} grad #{i}", g, w)
+                assert st.block_calls == 2, f"rep {rep}: thread {name}'s step counted {st.block_calls} block calls"
+        finally:
+            gate.go.set()
+            hook.remove()
+            for s in sacs.values():
+                s.close()
+
+
+# ======================================================================================================================
+# 4. torch.func inside a step
+# ======================================================================================================================
+
+
+def _func_stack() -> M.Stack:
+    return M.Stack([M.MLPBlock(8, 16), M.MLPBlock(8, 16)])
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _fc(model: nn.Module, params: dict, x: torch.Tensor) -> torch.Tensor:
+    return torch.func.functional_call(model, params, (x,))
+
+
+TRANSFORMS: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
+    "grad": lambda m, x: torch.func.grad(lambda p: _fc(m, p, x).square().mean())(_params(m)),
+    "vjp": lambda m, x: torch.func.vjp(lambda p: _fc(m, p, x), _params(m))[1](torch.ones(x.shape)),
+    "jacrev": lambda m, x: torch.func.jacrev(lambda xx: m(xx).sum(-1))(x),
+    "jacfwd": lambda m, x: torch.func.jacfwd(lambda xx: m(xx).sum(-1))(x),
+    "vmap": lambda m, x: torch.func.vmap(m)(x.unsqueeze(0).expand(3, *x.shape)),
+    "vmap_grad": lambda m, x: torch.func.vmap(
+        lambda xx: torch.func.grad(lambda p: _fc(m, p, xx).square().mean())(_params(m)))(x.unsqueeze(0).expand(2, *x.shape)),
+    "hessian": lambda m, x: torch.func.hessian(lambda xx: m(xx).square().sum())(x[:1, :1]),
+    "functional_call": lambda m, x: _fc(m, _params(m), x),
+}
+
+
+def _flat(obj: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_torch_func_transform_inside_a_step(transform: str) -> None:
+    """Issue 18 item 4 (untyped "don't yet support saved tensor hooks" on main): a torch.func transform over the
+    blocks, inside `with sac.step()` beside an ordinary training loss, works as in plain PyTorch (the transform's
+    block calls are not recorded) — or raises a TapeSACError that names torch.func and says how to proceed."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = _func_stack()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8)
+    want_t = TRANSFORMS[transform](ref, x)
+    ref(x).square().mean().backward()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        try:
+            with sac.step():
+                got_t = TRANSFORMS[transform](model, x)
+                model(x).square().mean().backward()
+        except tapesac.TapeSACError as e:
+            assert "torch.func" in str(e), f"a typed error that does not say what to do: {e}"
+            return
+        for i, (g, w) in enumerate(zip(_flat(got_t), _flat(want_t))):
+            assert_same_tensor(f"{transform} result #{i}", g, w)
+        assert_same_grads(model, ref, f"{transform}: ")
+        assert sac.last_step.dropped_tensors > 0, "the ordinary training loss was not checkpointed"
+    finally:
+        sac.close()
+
+
+class _FuncInsideBlock(nn.Module):
+    """A block whose forward itself uses torch.func (a force = -dE/dx head, as energy models do)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        energy = lambda xx: torch.tanh(xx).square().sum()  # noqa: E731
+        force = torch.func.grad(energy)(x.detach())
+        return self.fc(x).tanh() + force
+
+
+def test_torch_func_inside_a_block_is_exact_or_a_typed_error() -> None:
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([_FuncInsideBlock(), _FuncInsideBlock()])
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8)
+    ref(x).square().mean().backward()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        try:
+            with sac.step():
+                model(x).square().mean().backward()
+        except tapesac.TapeSACError as e:
+            assert "torch.func" in str(e), f"a typed error that does not say what to do: {e}"
+            return
+        assert_same_grads(model, ref)
+    finally:
+        sac.close()
+
+
+# ======================================================================================================================
+# 5. policy="auto" in less common step shapes
+# ======================================================================================================================
+
+
+class _StoringBlock(M.MLPBlock):
+    """Stores an activation on itself (a cache a later step or a logger reads)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        self.last_hidden = h
+        return self.fc2(h)
+
+
+class _TiedStack(nn.Module):
+    """An embedding and an output projection sharing one weight, blocks between, run under bf16 autocast."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, n: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(M.MLPBlock(d, 4 * d) for _ in range(n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.emb(ids)
+            for b in self.blocks:
+                h = h + b(h)
+            logits = h @ self.emb.weight.t()
+        return F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+
+def _auto_model(shape: str) -> nn.Module:
+    if shape == "autocast_tied":
+        return _TiedStack()
+    if shape == "stores_activation":
+        return M.Stack([_StoringBlock(32, 128) for _ in range(3)])
+    return M.Stack([M.MLPBlock(32, 128) for _ in range(3)])
+
+
+def _auto_input(shape: str, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    if shape == "autocast_tied":
+        return torch.randint(0, 64, (4, 32), generator=g)
+    return torch.randn(4, 32, 32, generator=g, requires_grad=True)
+
+
+def _auto_step(shape: str, model: nn.Module, x: torch.Tensor, step: int) -> None:
+    """One step of the given shape (the training loss's gradients end in .grad)."""
+    if shape == "autocast_tied":
+        model(x).backward()
+    elif shape == "stores_activation":
+        model(x).square().mean().backward()
+    elif shape == "retain_graph":
+        loss = model(x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif shape == "double_backward":  # a gradient penalty on the input
+        loss = model(x).square().mean()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + gx.square().sum()).backward()
+    elif shape == "two_autograd_grad":
+        out = model(x)
+        params = list(model.parameters())
+        g1 = torch.autograd.grad(out.square().mean(), params, retain_graph=True)
+        g2 = torch.autograd.grad(out.sum() * 0.01, params)
+        for p, a, b in zip(params, g1, g2):
+            p.grad = a + b
+    elif shape == "forward_only_first":
+        if step == 0:
+            model(x)  # an evaluation-like first step with grad enabled, no backward
+        else:
+            model(x).square().mean().backward()
+    else:
+        raise KeyError(shape)
+
+
+AUTO_SHAPES = ["retain_graph", "double_backward", "two_autograd_grad", "forward_only_first", "autocast_tied",
+               "stores_activation"]
+
+
+def _measured_peaks(shape: str) -> dict[str, int]:
+    import tapesac
+
+    out = {}
+    for policy in ("none", "full"):
+        torch.manual_seed(0)
+        model = _auto_model(shape)
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+        try:
+            peaks = []
+            for step in range(2):
+                with sac.step():
+                    _auto_step(shape, model, _auto_input(shape, step), step)
+                model.zero_grad(set_to_none=True)
+                peaks.append(sac.last_step.memory.peak_bytes)
+            out[policy] = max(peaks)
+        finally:
+            sac.close()
+    return out
+
+
+def _run_auto(shape: str, limit: int, steps: int = 4) -> tuple[list[int], Any]:
+    """Runs `steps` steps under auto with `limit` beside a plain reference; returns the measured peaks (and the
+    TapeSAC, closed). Gradients must be bitwise equal at every step."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = _auto_model(shape)
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", memory_limit=limit)
+    peaks = []
+    try:
+        for step in range(steps):
+            x, xr = _auto_input(shape, step), _auto_input(shape, step)
+            _auto_step(shape, ref, xr, step)
+            with sac.step():
+                _auto_step(shape, model, x, step)
+            if any(p.grad is not None for p in ref.parameters()):  # the forward-only step has none
+                assert_same_grads(model, ref, f"{shape}, step {step + 1}: ")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            peaks.append(sac.last_step.memory.peak_bytes)
+    finally:
+        sac.close()
+    return peaks, sac
+
+
+@pytest.mark.parametrize("shape", AUTO_SHAPES)
+def test_auto_limit_at_the_no_checkpoint_peak_keeps_everything(shape: str) -> None:
+    """Issue 18 item 5: "a limit at or above the no-checkpoint peak keeps everything" must hold in every step shape
+    (on main auto refuses some of these with MemoryLimitError although keeping everything fits)."""
+    import tapesac
+
+    peaks = _measured_peaks(shape)
+    try:
+        measured, sac = _run_auto(shape, peaks["none"])
+    except tapesac.MemoryLimitError as e:
+        raise AssertionError(f"{shape}: auto refused a limit at the no-checkpoint peak ({peaks['none']} bytes): {e}")
+    assert sac.plan is not None and sac.plan["keeps_everything"], f"{shape}: the plan drops at the none peak: {sac.plan}"
+    assert max(measured[1:]) <= peaks["none"], f"{shape}: peaks {measured} over the limit {peaks['none']}"
+
+
+@pytest.mark.parametrize("frac", [0.3, 0.7])
+@pytest.mark.parametrize("shape", AUTO_SHAPES)
+def test_auto_stays_under_the_limit_or_names_a_feasible_one(shape: str, frac: float) -> None:
+    """Issue 18 item 5: every step under the user's limit (main: step 2 over by up to 15%), or a MemoryLimitError
+    that names the user's limit (not limit - margin) and a smallest feasible limit that then really runs."""
+    import tapesac
+
+    peaks = _measured_peaks(shape)
+    limit = int(peaks["full"] + frac * (peaks["none"] - peaks["full"]))
+    try:
+        measured, _ = _run_auto(shape, limit)
+    except tapesac.MemoryLimitError as e:
+        msg = str(e)
+        assert f"{limit} bytes" in msg, f"{shape}: the error does not name the user's limit {limit}: {msg}"
+        assert "at least " in msg, msg
+        feasible = int(msg.split("at least ")[1].split(" bytes")[0])
+        measured, _ = _run_auto(shape, feasible)  # the figure it names must run
+        limit = feasible
+    over = [(i + 1, p) for i, p in enumerate(measured) if p > limit]
+    assert not over, f"{shape}: steps over the limit {limit}: {over} (peaks {measured})"
+
+
+# ======================================================================================================================
+# 6. nn.LSTM in a block
+# ======================================================================================================================
+
+
+class _RNNBlock(nn.Module):
+    def __init__(self, kind: str, d: int = D):
+        super().__init__()
+        self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(d, d, batch_first=True)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(x)
+        return F.gelu(self.fc(y)) + x
+
+
+@pytest.mark.parametrize("policy", ["full", "op_set", "auto"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_block_is_exact(kind: str, policy: str) -> None:
+    """Issue 18 item 6: nn.LSTM (aten::mkldnn_rnn_layer, whose kernel runs a different oneDNN primitive with grad
+    mode off, as inside the backward) replays exactly or is kept; nn.GRU passes on main and is the control."""
+    make = lambda: M.Stack([_RNNBlock(kind), _RNNBlock(kind)])  # noqa: E731
+    kwargs: dict[str, Any] = {}
+    pol: Any = policy
+    if policy == "op_set":
+        pol = {"aten::addmm"}
+    elif policy == "auto":
+        kwargs["memory_limit"] = _peak(make, "full")
+    res = reference_check(make, lambda: (_x(),), pol, "blocks.*", steps=3, sac_kwargs=kwargs,
+                          expect_drop=False if policy == "auto" else None,  # the plan may keep everything
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    first = res.all_stats[0]
+    assert first.dropped_tensors > 0 and first.ops_replayed > 0, f"step 1 dropped or replayed nothing: {first}"
+
+
+_lib = torch.library.Library("tapesac_holes", "FRAGMENT")  # noqa: SIM115 - lives as long as the module
+_lib.define("grad_mode_layout(Tensor x) -> Tensor")
+
+
+def _grad_mode_layout_cpu(x: torch.Tensor) -> torch.Tensor:
+    # A kernel whose output layout depends on grad mode (as oneDNN's RNN primitives do): row-major with grad
+    # mode on, column-major with it off (inside the backward, where replay runs).
+    y = x * 2
+    return y if torch.is_grad_enabled() else y.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+_lib.impl("grad_mode_layout", _grad_mode_layout_cpu, "CPU")
+
+
+class _GradModeLayoutBlock(nn.Module):
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        # The op runs at autograd level with grad mode on (its input needs no grad, so autograd passes it through);
+        # mul saves its output, which "full" drops, so replay re-runs the op inside the backward (grad mode off).
+        mask = torch.ops.tapesac_holes.grad_mode_layout(h.detach())
+        return torch.sin(h * mask) + x
+
+
+def test_replay_divergence_message_says_what_differed() -> None:
+    """Issue 18 item 6: when a replayed op returns other metadata than the forward although its inputs are as the
+    forward saw them, the error must not blame the inputs ("changed shape between forward and backward"): it says
+    the op's kernel behaved differently (for this op: grad mode, which the forward had on) — or replay is exact."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([_GradModeLayoutBlock()])
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 6, D)
+    ref(x).square().mean().backward()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        try:
+            with sac.step():
+                model(x).square().mean().backward()
+        except tapesac.ReplayContractError as e:
+            msg = str(e)
+            assert "tapesac_holes::grad_mode_layout" in msg, msg
+            assert "changed shape" not in msg, f"the diagnosis blames the inputs, which did not change: {msg}"
+            assert "grad mode" in msg, f"the message does not say what differed (grad mode on vs off): {msg}"
+            return
+        assert_same_grads(model, ref)
+    finally:
+        sac.close()
+
+
+# ======================================================================================================================
+# 7. Smaller: memory_limit out of range, a policy callable that raises
+# ======================================================================================================================
+
+
+OUT_OF_RANGE = {"1e400": "1e400", "1e30": "1e30", "1e19": "1e19", "2**63": 2**63, "10**400": 10**400,
+                "huge_TiB": "99999999999999999999TiB", "inf": "inf", "nan": "nan"}
+
+
+@pytest.mark.parametrize("value", list(OUT_OF_RANGE.values()), ids=list(OUT_OF_RANGE))
+def test_memory_limit_out_of_range_is_a_config_error(value: Any) -> None:
+    """Issue 18 item 7: `memory_limit="1e400"` raised an untyped OverflowError; a limit that does not fit in 64-bit
+    bytes is a ConfigError naming the value (for the constructor, the setter and parse_memory_limit)."""
+    import tapesac
+    from tapesac.memory import parse_memory_limit
+
+    with pytest.raises(tapesac.ConfigError, match="memory_limit"):
+        parse_memory_limit(value)
+    model = _mlp_stack()
+    with pytest.raises(tapesac.ConfigError, match="memory_limit"):
+        tapesac.TapeSAC(model, blocks="blocks.*", memory_limit=value)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with pytest.raises(tapesac.ConfigError, match="memory_limit"):
+            sac.memory_limit = value
+    finally:
+        sac.close()
+
+
+def test_largest_64_bit_limit_is_accepted() -> None:
+    from tapesac.memory import parse_memory_limit
+
+    assert parse_memory_limit(2**63 - 1) == 2**63 - 1
+    assert parse_memory_limit("1e18") == 10**18
+
+
+class _PolicyBoom(ValueError):
+    pass
+
+
+def test_policy_callable_that_raises_reaches_the_user() -> None:
+    """Issue 18 item 7: the user's exception is not swallowed into a warning: the step raises ConfigError chained
+    to it (or at least carrying its text)."""
+    import tapesac
+
+    def policy(op_name: str) -> bool:
+        raise _PolicyBoom(f"no decision for {op_name}")
+
+    model = _mlp_stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    try:
+        with pytest.raises(tapesac.ConfigError) as ei:
+            with sac.step():
+                model(torch.randn(2, 3, D)).square().mean().backward()
+        e = ei.value
+        chained = isinstance(e.__cause__, _PolicyBoom) or isinstance(e.__context__, _PolicyBoom)
+        assert chained or "no decision for" in str(e), f"the policy's exception is lost: {e!r}"
+    finally:
+        sac.close()

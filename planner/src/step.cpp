@@ -518,10 +518,11 @@ StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t 
     p.keep_all_peak_bytes = keep_all_peak;
     return p;
   };
-  // Keeping everything only when the prediction fits: the limit is a promise (issue 19). A limit a few bytes under
-  // the keep-everything prediction (the model counts tensor bytes, the allocator its allocations) replays the
-  // cheapest values rather than run over it.
-  if (limit_bytes >= keep_all_peak) {
+  // The model counts tensor bytes, the allocator its allocations (a few bytes apart per tensor): a limit within
+  // keep_everything_tolerance() below the keep-everything prediction keeps everything — a limit set to the measured
+  // no-checkpoint peak must not make the plan replay. Such a plan may run over the limit by up to that tolerance;
+  // the step is then flagged over_limit and the Runtime's next plan keeps less (runtime.cpp).
+  if (limit_bytes >= keep_all_peak - keep_everything_tolerance(keep_all_peak)) {
     all.keeps_everything = true;
     return finish(std::move(all));
   }
@@ -545,6 +546,10 @@ StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t 
   best.keeps_everything = false;
   refine_schedules(in, model, limit_bytes, best);
   return finish(std::move(best));
+}
+
+int64_t keep_everything_tolerance(int64_t keep_all_peak_bytes) {
+  return std::max<int64_t>(4096, keep_all_peak_bytes / 10000);
 }
 
 const ScheduleChoice* call_schedule(const StepInput& input, const StepPlan& plan, size_t j) {

@@ -115,10 +115,12 @@ class TapeSAC:
         self._approx = cfg.approx
         self._limit = limit or 0
         # Between steps (runtime/runtime.h): the planner of policy "auto" and the preservation choice.
-        # Policies that drop ("full", op sets, callables) get their replay schedules planned (runtime.h).
+        # schedule="planned": the planner also plans the replay schedules (of "full", op sets, callables: only those).
         self._runtime = _C.Runtime(self._session, plan=self._policy_label == "auto", memory_limit=self._limit,
                                    preserve=preserve if check else "off",
-                                   schedules=self._policy_label not in ("auto", "none") and cfg.approx is None)
+                                   schedules=cfg.schedule == "planned" and self._policy_label != "none" and cfg.approx is None)
+        if cfg.schedule in ("hold_all", "lazy"):
+            self._session.force_schedule(cfg.schedule)
         self._planner = self._runtime.planner  # None unless policy "auto"
         self._log = StepLog(cfg.log, cfg.records)
         self._hooks = StepHooks(self._session, self._blocks)

@@ -36,12 +36,9 @@ ReplaySchedule BlockCall::default_schedule(const std::vector<Read>& targets) con
   for (const Read& r : targets) {
     if (!listed[static_cast<size_t>(r.value)]) order.push_back(r.value);
   }
+  // Without a plan or a forced shape: one segment (every dropped value replayed at the first unpack).
   ForcedSchedule shape = options_.forced_schedule;
-  if (shape == ForcedSchedule::kNone) {
-    // No plan under a limit: the finest segments, holding what later segments read whenever it fits
-    // (limit_targets drops the holds that do not).
-    shape = options_.memory_limit > 0 ? ForcedSchedule::kHoldAll : ForcedSchedule::kOneSegment;
-  }
+  if (shape == ForcedSchedule::kNone) shape = ForcedSchedule::kOneSegment;
   if (shape == ForcedSchedule::kOneSegment) return one_segment(std::move(order));
   ReplaySchedule s = per_value_segments(std::move(order));
   if (shape == ForcedSchedule::kHoldAll) s.holds = hold_everything(tape, s, state, available_);

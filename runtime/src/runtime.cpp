@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "tapesac/common/errors.h"
+#include "tapesac/planner/step.h"
 #include "tapesac/runtime/graph_reserve.h"
 
 namespace tapesac::runtime {
@@ -18,9 +19,12 @@ Runtime::Runtime(replay::Session& session, RuntimeOptions options)
     TAPESAC_CHECK(limit_ > 0, kConfig,
                   "policy='auto' plans under a memory limit: pass memory_limit (bytes, e.g. '20GiB', or '90%' of the "
                   "device's memory), or use policy='full' / 'none' without one");
-    planner_ = std::make_unique<AutoPlanner>(session_, options.planner);
+    AutoPlannerOptions o = options.planner;
+    o.schedules = options.schedules;
+    planner_ = std::make_unique<AutoPlanner>(session_, o);
   } else if (options.schedules) {
     AutoPlannerOptions o = options.planner;
+    o.schedules = true;
     o.fixed_masks = true;
     planner_ = std::make_unique<AutoPlanner>(session_, o);
     fixed_masks_ = true;
@@ -54,8 +58,13 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   });
   // Without a limit (schedules for the least peak) no step is over it.
   const StepOutcome outcome{limit_ > 0 ? limit_ : INT64_MAX, measured, unplanned};
-  const ReplanDecision d = replan_.decide(plan(), outcome);
+  ReplanDecision d = replan_.decide(plan(), outcome);
   if (!d.replan) return;
+  if (limit_ > 0 && measured > limit_ && plan_ && plan_->keeps_everything && !fixed_masks_) {
+    // Kept everything within the planner's tolerance and ran over the limit: the next plan lies below it.
+    const int64_t floor = plan_->predicted_peak_bytes - planner::keep_everything_tolerance(plan_->predicted_peak_bytes);
+    d.margin_bytes = std::max(d.margin_bytes, limit_ - floor + 1);
+  }
   replay::GraphCache* graphs = session_.graph_cache();
   ReservedPlan r;
   if (limit_ > 0) {

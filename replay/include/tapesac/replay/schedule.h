@@ -14,8 +14,9 @@
 //    schedule); one segment per value is the lazy extreme;
 //  * holding everything later segments read (hold_everything) runs every op at most once — no recompute — and keeps
 //    about as much alive as one segment; holding nothing keeps the least alive and recomputes the most. What lies
-//    between is the planner's choice from measured op costs and bytes (planner/schedule.h), or, without a plan and
-//    under a memory limit, the replay's: it holds what fits (block_call_schedule.cpp).
+//    between is the planner's choice from measured op costs and bytes (planner/schedule.h; Config.schedule
+//    "planned"). Under a memory limit a replay holds only the extras that fit (BlockCall::fit_extras).
+//  * without a plan's schedule or a forced shape (Session::force_schedule) a call replays one segment.
 // Only a value at its storage's final state on the tape can be held (holdable()): a later in-place write inside the
 // same replay would change the held bytes. Following a schedule never changes what a replay computes, only when: a
 // value nobody holds any more is recomputed, so a replay in another order than the schedule's is still exact.

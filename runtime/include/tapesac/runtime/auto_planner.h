@@ -44,8 +44,8 @@ struct AutoPlannerOptions {
   /// the replay schedules are planned (planner::plan_schedules; a limit of 0 asks for the least peak).
   bool fixed_masks = false;
   /// Plan replay schedules from the unpack orders the session observed (planner/schedule.h); off: every call
-  /// replays its dropped values at once.
-  bool schedules = true;
+  /// replays its dropped values at once (the default; Runtime sets it from RuntimeOptions::schedules).
+  bool schedules = false;
   /// Fixed masks without a limit: the schedules may keep the predicted peak this fraction above the least one any
   /// schedules reach, at less replay time (planner::plan_schedules).
   double least_peak_slack = 0.02;

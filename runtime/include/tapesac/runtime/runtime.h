@@ -33,7 +33,9 @@ namespace tapesac::runtime {
 struct RuntimeOptions {
   /// Policy "auto": plan under memory_limit (which must then be > 0).
   bool plan = false;
-  /// Policies that decide themselves what is kept ("full", op sets, callables): plan the replay schedules between
+  /// Plan the replay schedules (Config.schedule="planned"; off: every block call replays its dropped values at its
+  /// first unpack). With `plan`, the auto planner plans them with the keep masks; otherwise, for the policies that
+  /// decide themselves what is kept ("full", op sets, callables), it plans only the replay schedules between
   /// steps (AutoPlannerOptions::fixed_masks) under memory_limit, or for the least peak without one.
   bool schedules = false;
   /// The step-peak limit in bytes (0: none).

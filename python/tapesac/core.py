@@ -121,7 +121,7 @@ class TapeSAC:
                                    schedules=cfg.schedule == "planned" and self._policy_label != "none" and cfg.approx is None)
         if cfg.schedule in ("hold_all", "lazy"):
             self._session.force_schedule(cfg.schedule)
-        self._planner = self._runtime.planner  # None unless policy "auto"
+        self._planner = self._runtime.planner  # None unless policy "auto" or schedule="planned"
         self._log = StepLog(cfg.log, cfg.records)
         self._hooks = StepHooks(self._session, self._blocks)
         self._timeline: dict[str, Any] | None = {}
@@ -272,8 +272,11 @@ class TapeSAC:
             return
         peak = st.memory.peak_bytes if st.memory else 0
         self._once.warning("over_limit", f"tapesac: step {st.step} peaked at {peak} bytes, {st.over_limit_bytes} bytes "
-                           f"over memory_limit {self._limit} (policy {st.policy}); the next step plans under a tighter "
-                           f"margin. StepStats.over_limit flags every such step; this is warned once.")
+                           f"over memory_limit {self._limit} (policy {st.policy}); "
+                           + ("the planner plans the next step under a tighter margin. " if self._planner is not None
+                              else "replay bounds only its own allocations: keep more (policy 'auto', an op set) or "
+                                   "schedule='planned'. ")
+                           + "StepStats.over_limit flags every such step; this is warned once.")
 
     def _warn_unmatched(self) -> None:
         if self._warned_unmatched or not isinstance(self._save_op, OpSetPolicy) or not self._last:

@@ -35,7 +35,8 @@ def test_reference_under_a_schedule(name: str, shape: str, policy: Any) -> None:
     s = scenario(name)
     res = reference_check(s.make_model, s.make_inputs, policy, s.blocks, s.loss_fn, block_calls=s.block_calls,
                           sac_kwargs={"schedule": shape})
-    assert _segmented(res), "no block call followed a schedule of more than one segment"
+    if policy == "full":  # an op set may leave a block one dropped value (one segment)
+        assert _segmented(res), "no block call followed a schedule of more than one segment"
 
 
 def test_lazy_replays_per_segment_and_default_replays_once() -> None:

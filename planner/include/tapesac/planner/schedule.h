@@ -81,7 +81,8 @@ ScheduleChoice evaluate_schedule(const BlockProblem& problem, const KeepMask& ke
 std::vector<int32_t> replay_order(const BlockProblem& problem, const KeepMask& keep, const UnpackOrder& unpack);
 
 /// The schedules of `keep` worth choosing between, ascending replay cost and strictly descending working set
-/// (Note [Schedule model]); the first is one segment (the replay without a schedule). Never empty.
+/// (Note [Schedule model]); the first costs what one segment costs (every op once): one segment, or finer
+/// segments holding what later ones read when those keep less alive (they then replace it). Never empty.
 std::vector<ScheduleChoice> schedule_choices(const BlockProblem& problem, const KeepMask& keep,
                                              const UnpackOrder& unpack, const ScheduleOptions& options = {});
 

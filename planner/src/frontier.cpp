@@ -90,4 +90,19 @@ BlockFrontier block_frontier(const BlockProblem& problem, const FrontierOptions&
   return out;
 }
 
+void add_schedules(BlockFrontier& frontier, const BlockProblem& problem, const UnpackOrder& unpack,
+                   int32_t max_points, const ScheduleOptions& options) {
+  const auto n = static_cast<int32_t>(frontier.points.size()) - 1;  // the last point keeps everything
+  if (n <= 0 || max_points <= 0) return;
+  const int32_t k = std::min(n, max_points);
+  int32_t last = -1;
+  for (int32_t j = 0; j < k; ++j) {
+    const int32_t p = k == 1 ? 0 : static_cast<int32_t>(static_cast<int64_t>(j) * (n - 1) / (k - 1));
+    if (p == last) continue;
+    last = p;
+    FrontierPoint& pt = frontier.points[static_cast<size_t>(p)];
+    pt.schedules = schedule_choices(problem, pt.keep, unpack, options);
+  }
+}
+
 }  // namespace tapesac::planner

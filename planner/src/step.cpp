@@ -16,8 +16,11 @@
 // Cost: O(caps * (points + calls) * log) for the LP greedy, plus the slack moves; caps <= frontier points.
 #include "tapesac/planner/step.h"
 
+#include "tapesac/planner/evaluate.h"
+
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <map>
 #include <queue>
@@ -181,18 +184,23 @@ bool solve_cap(const StepInput& in, const std::vector<int32_t>& n_calls, int64_t
   return true;
 }
 
-StepPlan make_plan(const StepInput& in, const PeakModel& model, const Choice& ch) {
+// The plan of a choice over `at` (the frontiers of `in` seen under a cap, or `in` itself): points and schedules are
+// mapped back to `in`'s.
+StepPlan make_plan(const StepInput& in, const StepInput& at, const PeakModel& model, const Choice& ch) {
   StepPlan plan;
   std::vector<std::vector<int32_t>> left = ch.at;
-  for (int32_t f : in.calls) {
-    const BlockFrontier& fr = in.frontiers[static_cast<size_t>(f)];
+  for (int32_t f : at.calls) {
+    const BlockFrontier& fr = at.frontiers[static_cast<size_t>(f)];
     auto& counts = left[static_cast<size_t>(f)];
     const auto it = std::find_if(counts.begin(), counts.end(), [](int32_t n) { return n > 0; });
     TAPESAC_INTERNAL_ASSERT(it != counts.end(), "step plan assigns fewer points than calls of frontier ", f);
     --*it;
     const int32_t p = static_cast<int32_t>(it - counts.begin());
     const FrontierPoint& pt = fr.points[static_cast<size_t>(p)];
-    plan.calls.push_back(CallPlan{f, p, pt.keep, pt.kept_bytes, pt.working_set_bytes, pt.replay_cost_ns});
+    const int32_t origin = pt.origin >= 0 ? pt.origin : p;
+    const KeepMask& keep = in.frontiers[static_cast<size_t>(f)].points[static_cast<size_t>(origin)].keep;
+    plan.calls.push_back(CallPlan{f, origin, pt.schedule, keep, pt.kept_bytes, pt.working_set_bytes,
+                                  pt.replay_cost_ns});
     plan.sum_kept_bytes += pt.kept_bytes;
     plan.max_working_set_bytes = std::max(plan.max_working_set_bytes, pt.working_set_bytes);
     plan.replay_cost_ns += pt.replay_cost_ns;
@@ -200,6 +208,62 @@ StepPlan make_plan(const StepInput& in, const PeakModel& model, const Choice& ch
   plan.predicted_peak_bytes = model.predict(plan.sum_kept_bytes, plan.max_working_set_bytes);
   plan.replay_cost_lower_bound_ns = ch.lower_bound;
   return plan;
+}
+
+// The cheapest schedule of `pt` whose working set fits `cap` (-1: the single replay, when the point has no
+// schedules and fits); false when none fits.
+bool cheapest_under(const FrontierPoint& pt, int64_t cap, int32_t* schedule, double* cost, int64_t* ws) {
+  if (pt.schedules.empty()) {
+    *schedule = -1;
+    *cost = pt.replay_cost_ns;
+    *ws = pt.working_set_bytes;
+    return pt.working_set_bytes <= cap;
+  }
+  for (size_t k = 0; k < pt.schedules.size(); ++k) {  // ascending cost
+    if (pt.schedules[k].working_set_bytes > cap) continue;
+    *schedule = static_cast<int32_t>(k);
+    *cost = pt.schedules[k].replay_cost_ns;
+    *ws = pt.schedules[k].working_set_bytes;
+    return true;
+  }
+  return false;
+}
+
+// `in` seen under a working-set cap: every point at its cheapest schedule that fits (points where none fits left
+// out), remembering which point and schedule it stands for. Keep masks are not copied (make_plan maps back).
+StepInput at_cap(const StepInput& in, int64_t cap) {
+  StepInput at;
+  at.calls = in.calls;
+  at.frontiers.resize(in.frontiers.size());
+  for (size_t f = 0; f < in.frontiers.size(); ++f) {
+    const BlockFrontier& fr = in.frontiers[f];
+    BlockFrontier& out = at.frontiers[f];
+    out.signature = fr.signature;
+    out.exact = fr.exact;
+    for (size_t p = 0; p < fr.points.size(); ++p) {
+      FrontierPoint q;
+      if (!cheapest_under(fr.points[p], cap, &q.schedule, &q.replay_cost_ns, &q.working_set_bytes)) continue;
+      q.kept_bytes = fr.points[p].kept_bytes;
+      q.origin = static_cast<int32_t>(p);
+      out.points.push_back(std::move(q));
+    }
+  }
+  return at;
+}
+
+// Every working set a point can have (its schedules', or its own).
+std::vector<int64_t> working_set_caps(const StepInput& in, const std::vector<int32_t>& n_calls) {
+  std::vector<int64_t> caps{0};
+  for (size_t f = 0; f < in.frontiers.size(); ++f) {
+    if (n_calls[f] == 0) continue;
+    for (const FrontierPoint& pt : in.frontiers[f].points) {
+      caps.push_back(pt.working_set_bytes);
+      for (const ScheduleChoice& c : pt.schedules) caps.push_back(c.working_set_bytes);
+    }
+  }
+  std::sort(caps.begin(), caps.end());
+  caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
+  return caps;
 }
 
 }  // namespace
@@ -213,7 +277,8 @@ InfeasibleLimitError::InfeasibleLimitError(int64_t limit_bytes, int64_t smallest
       limit_bytes_(limit_bytes),
       smallest_feasible_bytes_(smallest_feasible_bytes) {}
 
-StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const FrontierOptions& options) {
+StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const FrontierOptions& options,
+                           const std::vector<const UnpackOrder*>& orders) {
   StepInput in;
   std::map<std::string, int32_t> by_signature;
   std::vector<const BlockProblem*> first;
@@ -224,6 +289,7 @@ StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const 
     if (inserted) {
       first.push_back(p);
       in.frontiers.push_back(block_frontier(*p, options));
+      if (j < orders.size() && orders[j] != nullptr) add_schedules(in.frontiers.back(), *p, *orders[j]);
     } else {
       const BlockProblem& q = *first[static_cast<size_t>(it->second)];
       TAPESAC_CHECK(q.ops.size() == p->ops.size() && q.values.size() == p->values.size() &&
@@ -232,6 +298,34 @@ StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const 
                     "' differ: (ops, values, candidates) = (", q.ops.size(), ", ", q.values.size(), ", ",
                     q.candidates.size(), ") vs (", p->ops.size(), ", ", p->values.size(), ", ", p->candidates.size(),
                     ") at call ", j, "; blocks with one signature must have identical tapes");
+    }
+    in.calls.push_back(it->second);
+  }
+  return in;
+}
+
+StepInput fixed_step_input(const std::vector<const BlockProblem*>& calls, const std::vector<KeepMask>& masks,
+                           const std::vector<const UnpackOrder*>& orders) {
+  TAPESAC_CHECK(masks.size() == calls.size(), kConfig, "fixed_step_input: ", masks.size(), " masks for ",
+                calls.size(), " calls");
+  StepInput in;
+  std::map<std::string, int32_t> by_signature;
+  for (size_t j = 0; j < calls.size(); ++j) {
+    const BlockProblem* p = calls[j];
+    TAPESAC_CHECK(p != nullptr, kConfig, "fixed_step_input: block call ", j, " has no problem (null)");
+    auto [it, inserted] = by_signature.emplace(p->signature, static_cast<int32_t>(in.frontiers.size()));
+    if (inserted) {
+      validate_problem(*p);
+      FrontierPoint pt;
+      pt.keep = masks[j];
+      pt.kept_bytes = kept_bytes(*p, pt.keep);
+      pt.replay_cost_ns = replay_cost_ns(*p, pt.keep);
+      pt.working_set_bytes = replay_working_set_bytes(*p, pt.keep);
+      if (j < orders.size() && orders[j] != nullptr) pt.schedules = schedule_choices(*p, pt.keep, *orders[j]);
+      BlockFrontier f;
+      f.signature = p->signature;
+      f.points.push_back(std::move(pt));
+      in.frontiers.push_back(std::move(f));
     }
     in.calls.push_back(it->second);
   }
@@ -248,36 +342,35 @@ StepPlan plan_step(const StepInput& in, const PeakModel& model, int64_t limit_by
                   in.frontiers[static_cast<size_t>(f)].signature, "') has no points");
     ++n_calls[static_cast<size_t>(f)];
   }
-  // Keep everything: the last point of every frontier.
+  // Keep everything: the last point of every frontier (it replays nothing).
   Choice all;
   all.at.resize(in.frontiers.size());
-  std::vector<int64_t> caps{0};
   for (size_t f = 0; f < in.frontiers.size(); ++f) {
     if (n_calls[f] == 0) continue;
-    const BlockFrontier& fr = in.frontiers[f];
-    all.at[f].assign(fr.points.size(), 0);
+    all.at[f].assign(in.frontiers[f].points.size(), 0);
     all.at[f].back() = n_calls[f];
-    for (const FrontierPoint& pt : fr.points) caps.push_back(pt.working_set_bytes);
   }
-  std::sort(caps.begin(), caps.end());
-  caps.erase(std::unique(caps.begin(), caps.end()), caps.end());
+  const std::vector<int64_t> caps = working_set_caps(in, n_calls);
+  std::vector<StepInput> views;
+  views.reserve(caps.size());
+  for (int64_t cap : caps) views.push_back(at_cap(in, cap));
 
   // Smallest feasible peak: per cap, every call at its least-bytes point under the cap.
   int64_t min_feasible = std::numeric_limits<int64_t>::max();
-  for (int64_t cap : caps) {
+  for (size_t c = 0; c < caps.size(); ++c) {
     int64_t kept = 0;
     bool ok = true;
     for (size_t f = 0; f < in.frontiers.size() && ok; ++f) {
       if (n_calls[f] == 0) continue;
-      const std::vector<int32_t> allowed = allowed_points(in.frontiers[f], cap);
-      ok = !allowed.empty();
-      if (ok) kept += n_calls[f] * in.frontiers[f].points[static_cast<size_t>(allowed.front())].kept_bytes;
+      const BlockFrontier& fr = views[c].frontiers[f];
+      ok = !fr.points.empty();
+      if (ok) kept += n_calls[f] * fr.points.front().kept_bytes;
     }
-    if (ok) min_feasible = std::min(min_feasible, model.predict(kept, cap));
+    if (ok) min_feasible = std::min(min_feasible, model.predict(kept, caps[c]));
   }
   if (limit_bytes < min_feasible) throw InfeasibleLimitError(limit_bytes, min_feasible);
 
-  const StepPlan keep_all_plan = make_plan(in, model, all);
+  const StepPlan keep_all_plan = make_plan(in, in, model, all);
   StepPlan plan;
   if (limit_bytes >= keep_all_plan.predicted_peak_bytes) {
     plan = keep_all_plan;
@@ -285,23 +378,25 @@ StepPlan plan_step(const StepInput& in, const PeakModel& model, int64_t limit_by
     plan.replay_cost_lower_bound_ns = plan.replay_cost_ns;
   } else {
     Choice best;
+    size_t best_view = 0;
     bool found = false;
     double lower_bound = std::numeric_limits<double>::infinity();
     int64_t best_peak = 0;
-    for (int64_t cap : caps) {
+    for (size_t c = 0; c < caps.size(); ++c) {
       Choice ch;
-      if (!solve_cap(in, n_calls, cap, limit_bytes - model.baseline_bytes - cap, &ch)) continue;
+      if (!solve_cap(views[c], n_calls, caps[c], limit_bytes - model.baseline_bytes - caps[c], &ch)) continue;
       lower_bound = std::min(lower_bound, ch.lower_bound);
       const int64_t peak = model.predict(ch.kept, ch.max_ws);
       if (!found || ch.cost < best.cost || (ch.cost == best.cost && peak < best_peak)) {
         best = std::move(ch);
+        best_view = c;
         best_peak = peak;
         found = true;
       }
     }
     TAPESAC_INTERNAL_ASSERT(found, "plan_step found no choice although the limit ", limit_bytes,
                             " is above the smallest feasible peak ", min_feasible);
-    plan = make_plan(in, model, best);
+    plan = make_plan(in, views[best_view], model, best);
     plan.replay_cost_lower_bound_ns = lower_bound;
   }
   plan.min_feasible_peak_bytes = min_feasible;
@@ -317,6 +412,83 @@ void plan_profile(const StepPlan& plan, std::vector<int64_t>* kept, std::vector<
     ws->push_back(c.working_set_bytes);
   }
 }
+
+namespace {
+
+// The schedules of call j's point in ascending cost (its own single replay when it has none).
+struct CallChoices {
+  std::vector<int64_t> ws;
+  std::vector<double> cost;
+};
+CallChoices call_choices(const StepInput& in, const CallPlan& c) {
+  const FrontierPoint& pt = in.frontiers[static_cast<size_t>(c.frontier)].points[static_cast<size_t>(c.point)];
+  CallChoices out;
+  if (pt.schedules.empty()) {
+    out.ws.push_back(pt.working_set_bytes);
+    out.cost.push_back(pt.replay_cost_ns);
+  }
+  for (const ScheduleChoice& s : pt.schedules) {
+    out.ws.push_back(s.working_set_bytes);
+    out.cost.push_back(s.replay_cost_ns);
+  }
+  return out;
+}
+
+// Sets call j of `plan` to schedule k of its point (k indexes call_choices).
+void set_schedule(const StepInput& in, StepPlan& plan, size_t j, size_t k, const CallChoices& ch) {
+  CallPlan& c = plan.calls[j];
+  const FrontierPoint& pt = in.frontiers[static_cast<size_t>(c.frontier)].points[static_cast<size_t>(c.point)];
+  c.schedule = pt.schedules.empty() ? -1 : static_cast<int32_t>(k);
+  c.working_set_bytes = ch.ws[k];
+  c.replay_cost_ns = ch.cost[k];
+}
+
+void total_up(StepPlan& plan) {
+  plan.replay_cost_ns = 0;
+  plan.max_working_set_bytes = 0;
+  plan.sum_kept_bytes = 0;
+  for (const CallPlan& c : plan.calls) {
+    plan.replay_cost_ns += c.replay_cost_ns;
+    plan.max_working_set_bytes = std::max(plan.max_working_set_bytes, c.working_set_bytes);
+    plan.sum_kept_bytes += c.kept_bytes;
+  }
+}
+
+// Per call, the cheapest schedule whose working set keeps predict(ws) <= target, the other calls as they are.
+void cheapest_fitting(const StepInput& in, StepPlan& plan, int64_t target,
+                      const std::function<int64_t(const std::vector<int64_t>&)>& predict) {
+  std::vector<int64_t> ws;
+  for (const CallPlan& c : plan.calls) ws.push_back(c.working_set_bytes);
+  for (size_t j = 0; j < plan.calls.size(); ++j) {
+    const CallChoices ch = call_choices(in, plan.calls[j]);
+    for (size_t k = 0; k < ch.ws.size(); ++k) {
+      const int64_t before = ws[j];
+      ws[j] = ch.ws[k];
+      if (predict(ws) <= target || ch.ws[k] <= before) {  // the current one always fits: it is never passed over
+        set_schedule(in, plan, j, k, ch);
+        break;
+      }
+      ws[j] = before;
+    }
+  }
+  total_up(plan);
+  plan.predicted_peak_bytes = predict(ws);
+}
+
+std::function<int64_t(const std::vector<int64_t>&)> sequence_predictor(const SequencePeakModel& model,
+                                                                      const StepPlan& plan) {
+  std::vector<int64_t> kept;
+  for (const CallPlan& c : plan.calls) kept.push_back(c.kept_bytes);
+  return [&model, kept](const std::vector<int64_t>& ws) { return model.predict(kept, ws); };
+}
+
+// Every call at the cheapest schedule that keeps the sequence prediction under the limit (the others as they are).
+void refine_schedules(const StepInput& in, const SequencePeakModel& model, int64_t limit_bytes, StepPlan& plan) {
+  if (plan.predicted_peak_bytes > limit_bytes) return;  // nothing fits better than the least-memory plan itself
+  cheapest_fitting(in, plan, limit_bytes, sequence_predictor(model, plan));
+}
+
+}  // namespace
 
 // Note [Sequence search]. Under the sequence model a plan's peak depends on where its kept bytes sit, not only on
 // their total. The additive model's plans (min cost s.t. kept + max ws <= B) are the candidates: as B grows they
@@ -347,10 +519,10 @@ StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t 
     return p;
   };
   // The model counts tensor bytes, the allocator its allocations (a few bytes apart per tensor): a limit within
-  // 0.01% (at least 4 KiB) of the keep-everything prediction keeps everything — a limit set to the measured
-  // no-checkpoint peak must not make the plan replay.
-  const int64_t tolerance = std::max<int64_t>(4096, keep_all_peak / 10000);
-  if (limit_bytes >= keep_all_peak - tolerance) {
+  // keep_everything_tolerance() below the keep-everything prediction keeps everything — a limit set to the measured
+  // no-checkpoint peak must not make the plan replay. Such a plan may run over the limit by up to that tolerance;
+  // the step is then flagged over_limit and the Runtime's next plan keeps less (runtime.cpp).
+  if (limit_bytes >= keep_all_peak - keep_everything_tolerance(keep_all_peak)) {
     all.keeps_everything = true;
     return finish(std::move(all));
   }
@@ -372,7 +544,79 @@ StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t 
   // best.replay_cost_lower_bound_ns stays the additive problem's LP bound at the chosen budget: a bound among the
   // plans of that budget, not over every plan the sequence model would accept.
   best.keeps_everything = false;
+  refine_schedules(in, model, limit_bytes, best);
   return finish(std::move(best));
+}
+
+int64_t keep_everything_tolerance(int64_t keep_all_peak_bytes) {
+  return std::max<int64_t>(4096, keep_all_peak_bytes / 10000);
+}
+
+const ScheduleChoice* call_schedule(const StepInput& input, const StepPlan& plan, size_t j) {
+  const CallPlan& c = plan.calls.at(j);
+  if (c.schedule < 0) return nullptr;
+  const FrontierPoint& pt = input.frontiers.at(static_cast<size_t>(c.frontier)).points.at(static_cast<size_t>(c.point));
+  return &pt.schedules.at(static_cast<size_t>(c.schedule));
+}
+
+namespace {
+
+// Note [Fixed masks]. With the keep masks fixed, a call's schedule changes only its own working set, which enters
+// the predicted peak through one term (its backward, or the largest working set under the additive model). So every
+// call starts at its least-memory schedule, which gives the least peak any choice reaches; then each call in turn
+// takes its cheapest schedule that keeps the prediction under the target: the limit, or without one the least peak
+// plus a slack. The last bytes of the least peak can cost many times the replay (recomputing everything for each
+// segment); the slack (AutoPlannerOptions::least_peak_slack) trades them for time.
+StepPlan plan_fixed(const StepInput& in, int64_t limit_bytes, double slack,
+                    const std::function<std::function<int64_t(const std::vector<int64_t>&)>(const StepPlan&)>& model) {
+  StepPlan plan;
+  for (int32_t f : in.calls) {
+    TAPESAC_CHECK(f >= 0 && static_cast<size_t>(f) < in.frontiers.size() &&
+                      in.frontiers[static_cast<size_t>(f)].points.size() == 1,
+                  kConfig, "plan_schedules: expected one point per frontier (fixed_step_input)");
+    const FrontierPoint& pt = in.frontiers[static_cast<size_t>(f)].points[0];
+    plan.calls.push_back(CallPlan{f, 0, -1, pt.keep, pt.kept_bytes, pt.working_set_bytes, pt.replay_cost_ns});
+  }
+  const auto predict = model(plan);
+  std::vector<int64_t> ws;
+  for (size_t j = 0; j < plan.calls.size(); ++j) {
+    ws.push_back(plan.calls[j].working_set_bytes);
+  }
+  plan.keep_all_peak_bytes = predict(ws);  // the single replays
+  for (size_t j = 0; j < plan.calls.size(); ++j) {
+    const CallChoices ch = call_choices(in, plan.calls[j]);
+    const size_t least = static_cast<size_t>(std::min_element(ch.ws.begin(), ch.ws.end()) - ch.ws.begin());
+    set_schedule(in, plan, j, least, ch);
+    ws[j] = ch.ws[least];
+  }
+  const int64_t least_peak = predict(ws);
+  if (limit_bytes > 0 && least_peak > limit_bytes) throw InfeasibleLimitError(limit_bytes, least_peak);
+  const auto target = limit_bytes > 0 ? limit_bytes
+                                      : least_peak + static_cast<int64_t>(slack * static_cast<double>(least_peak));
+  cheapest_fitting(in, plan, target, predict);
+  plan.min_feasible_peak_bytes = least_peak;
+  plan.replay_cost_lower_bound_ns = plan.replay_cost_ns;
+  return plan;
+}
+
+}  // namespace
+
+StepPlan plan_schedules(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes, double slack) {
+  TAPESAC_CHECK(model.valid && model.backward_c.size() == input.calls.size(), kConfig,
+                "plan_schedules: the sequence peak model has ", model.backward_c.size(), " calls, the step ",
+                input.calls.size());
+  return plan_fixed(input, limit_bytes, slack,
+                    [&model](const StepPlan& p) { return sequence_predictor(model, p); });
+}
+
+StepPlan plan_schedules(const StepInput& input, const PeakModel& model, int64_t limit_bytes, double slack) {
+  return plan_fixed(input, limit_bytes, slack, [&model](const StepPlan& p) {
+    int64_t kept = 0;
+    for (const CallPlan& c : p.calls) kept += c.kept_bytes;
+    return std::function<int64_t(const std::vector<int64_t>&)>([&model, kept](const std::vector<int64_t>& ws) {
+      return model.predict(kept, ws.empty() ? 0 : *std::max_element(ws.begin(), ws.end()));
+    });
+  });
 }
 
 }  // namespace tapesac::planner

@@ -118,7 +118,11 @@ void bind_session_config(py::class_<Session>& c) {
              bool reweight) { s.set_approx(replay::make_approx(fraction, method, mlp, attn, seed, reweight)); },
           py::arg("fraction"), py::arg("method"), py::arg("mlp") = true, py::arg("attn") = false, py::arg("seed") = 0,
           py::arg("reweight") = true)
-      .def("clear_approx", [](Session& s) { s.set_approx(nullptr); });
+      .def("clear_approx", [](Session& s) { s.set_approx(nullptr); })
+      .def(
+          "force_schedule", [](Session& s, const std::string& shape) { s.force_schedule(replay::parse_forced_schedule(shape)); },
+          py::arg("shape"), "Every block call follows this replay schedule shape: 'none' (plans, else the default), "
+          "'one_segment', 'hold_all' or 'lazy' (one segment per value, nothing held). Between steps.");
 }
 
 }  // namespace

@@ -22,11 +22,11 @@ py::object to_py(const replay::OpTimes& v) {
   return out;
 }
 
-/// Every field of `s`; with `sums_only`, only the fields a step sums.
-py::dict block_stats_to_dict(const replay::BlockStats& s, bool sums_only = false) {
+/// Every field of `s`; with `totals_only`, only the fields a step combines (sums or maxima).
+py::dict block_stats_to_dict(const replay::BlockStats& s, bool totals_only = false) {
   py::dict d;
   replay::for_each_block_field(s, [&](const replay::FieldInfo& f, const auto& value) {
-    if (!sums_only || f.combine == replay::Combine::kSum) d[f.name] = to_py(value);
+    if (!totals_only || f.combine != replay::Combine::kNone) d[f.name] = to_py(value);
   });
   return d;
 }
@@ -98,9 +98,9 @@ py::list to_list(const std::vector<T>& xs, F&& f) {
 }
 
 py::list block_stats_schema() {
-  py::list out;  // (name, type, summed over a step, doc)
+  py::list out;  // (name, type, how a step combines it, doc)
   replay::for_each_block_field(replay::BlockStats{}, [&](const replay::FieldInfo& f, const auto&) {
-    out.append(py::make_tuple(f.name, f.type, f.combine == replay::Combine::kSum, f.doc));
+    out.append(py::make_tuple(f.name, f.type, replay::combine_name(f.combine), f.doc));
   });
   return out;
 }
@@ -134,8 +134,9 @@ void bind_session_results(py::class_<Session>& c) {
 
 void bind_stats(py::module_& m) {
   m.def("block_stats_schema", &block_stats_schema,
-        "The BlockStats fields as (name, type, summed over a step, doc): type is 'int', 'bool', 'str' or "
-        "'op_times' ((op index, op name, ns) tuples); names ending in _ns are nanoseconds.");
+        "The BlockStats fields as (name, type, combine, doc): type is 'int', 'bool', 'str' or 'op_times' ((op "
+        "index, op name, ns) tuples); combine is how a step totals the field over its block calls: 'sum', 'max' or "
+        "'' (per block call only); names ending in _ns are nanoseconds.");
 }
 
 }  // namespace tapesac::python

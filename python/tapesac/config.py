@@ -17,17 +17,19 @@ from .errors import ConfigError
 from .memory import parse_memory_limit
 from .policy import parse_policy
 
-__all__ = ["Config", "Approx", "BACKENDS", "CONTRACTS", "GRAPH_TIMINGS", "PRESERVE_MODES", "APPROX_METHODS",
-           "APPROX_TARGETS"]
+__all__ = ["Config", "Approx", "BACKENDS", "CONTRACTS", "GRAPH_TIMINGS", "PRESERVE_MODES", "SCHEDULES",
+           "APPROX_METHODS", "APPROX_TARGETS"]
 
 Backend = Literal["auto", "eager", "cuda_graph", "emulated_graph"]
 GraphTiming = Literal["first", "every", "off"]
 Contract = Literal["check", "strict", "off"]
 Preserve = Literal["auto", "regions", "snapshots", "keep", "off"]
+Schedule = Literal["one_segment", "planned", "hold_all", "lazy"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 GRAPH_TIMINGS: tuple[str, ...] = get_args(GraphTiming)
 CONTRACTS: tuple[str, ...] = get_args(Contract)
 PRESERVE_MODES: tuple[str, ...] = get_args(Preserve)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 APPROX_METHODS = ("sketch", "greedy")
 APPROX_TARGETS = ("mlp", "attn")
 
@@ -134,13 +136,21 @@ class Config:
         "a path: one JSON line per replayed value (block, value, op, status match / recovered / rejected / "
         "divergent, or approximated with ``approx``, bytes, time) is appended to it; ``TapeSAC.last_records`` holds "
         "the last step's.", None)
+    schedule: Schedule = _doc(
+        "when a block's backward replays its dropped values (README, \"Memory limit and the planner\"): "
+        "``\"one_segment\"`` all of them at its first unpack (the default), ``\"planned\"`` in segments by the "
+        "order backward unpacks them, planned between steps from the measured op costs and bytes (experimental: "
+        "``\"full\"``, op sets and callables for the least peak or under ``memory_limit``, ``\"auto\"`` with its keep "
+        "plan; not with ``approx``), ``\"hold_all\"`` one segment per value holding what later segments read (no "
+        "recompute), ``\"lazy\"`` one segment per value holding nothing (the least alive, the most recompute).",
+        "one_segment")
 
     def __post_init__(self) -> None:
         parse_memory_limit(self.memory_limit)  # the syntax; TapeSAC resolves percentages on the model's device
         if self.policy is not None:
             parse_policy(self.policy)
         for name, choices in (("backend", BACKENDS), ("graph_timing", GRAPH_TIMINGS), ("contract", CONTRACTS),
-                              ("preserve", PRESERVE_MODES)):
+                              ("preserve", PRESERVE_MODES), ("schedule", SCHEDULES)):
             value = getattr(self, name)
             if value not in choices:
                 raise ConfigError(f"{name}={value!r} is not supported; expected one of {list(choices)}")

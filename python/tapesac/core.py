@@ -115,9 +115,13 @@ class TapeSAC:
         self._approx = cfg.approx
         self._limit = limit or 0
         # Between steps (runtime/runtime.h): the planner of policy "auto" and the preservation choice.
+        # schedule="planned": the planner also plans the replay schedules (of "full", op sets, callables: only those).
         self._runtime = _C.Runtime(self._session, plan=self._policy_label == "auto", memory_limit=self._limit,
-                                   preserve=preserve if check else "off")
-        self._planner = self._runtime.planner  # None unless policy "auto"
+                                   preserve=preserve if check else "off",
+                                   schedules=cfg.schedule == "planned" and self._policy_label != "none" and cfg.approx is None)
+        if cfg.schedule in ("hold_all", "lazy"):
+            self._session.force_schedule(cfg.schedule)
+        self._planner = self._runtime.planner  # None unless policy "auto" or schedule="planned"
         self._log = StepLog(cfg.log, cfg.records)
         self._hooks = StepHooks(self._session, self._blocks)
         self._timeline: dict[str, Any] | None = {}
@@ -206,6 +210,7 @@ class TapeSAC:
             self._history.append(self._last)
             self._conflicts.after_step(self._last)
             self._warn_unmatched()
+            self._warn_over_limit()
             self._log.write_step(self._last, self._get_timeline)
             self._log.write_records(self._steps, self._session)
             if abandoned:
@@ -259,6 +264,20 @@ class TapeSAC:
             preserved=tuple(dict(p) for p in self._session.last_preserved()),
         )
 
+    def _warn_over_limit(self) -> None:
+        """The limit is a promise (README, "Memory limit and the planner"): a step over it is flagged in StepStats
+        (over_limit, over_limit_bytes) and, the first time, warned through the "tapesac" logger."""
+        st = self._last
+        if st is None or not st.over_limit:
+            return
+        peak = st.memory.peak_bytes if st.memory else 0
+        self._once.warning("over_limit", f"tapesac: step {st.step} peaked at {peak} bytes, {st.over_limit_bytes} bytes "
+                           f"over memory_limit {self._limit} (policy {st.policy}); "
+                           + ("the planner plans the next step under a tighter margin. " if self._planner is not None
+                              else "replay bounds only its own allocations: keep more (policy 'auto', an op set) or "
+                                   "schedule='planned'. ")
+                           + "StepStats.over_limit flags every such step; this is warned once.")
+
     def _warn_unmatched(self) -> None:
         if self._warned_unmatched or not isinstance(self._save_op, OpSetPolicy) or not self._last:
             return
@@ -274,7 +293,9 @@ class TapeSAC:
 
     @property
     def plan(self) -> dict[str, Any] | None:
-        """Policy "auto": the plan in use (predicted peak and replay cost, per block call kept bytes), else None."""
+        """The plan in use, else None (before the first plan, policy "none"): predicted peak and replay cost, per block
+        call kept bytes and the replay schedule (segments, held_bytes). Policy "auto" plans what to keep and the
+        schedules; "full", op sets and callables only the schedules (the least peak, or under memory_limit)."""
         return self._runtime.plan
 
     def frontier(self, points: int = 12) -> "Frontier":
@@ -283,7 +304,7 @@ class TapeSAC:
         plus the steps measured so far. Needs one finished step."""
         from .frontier import Frontier
 
-        if self._runtime.plan is None:
+        if self._policy_label != "auto" or self._runtime.plan is None:
             raise TapeSACError("frontier() needs policy='auto' (a memory_limit) and one finished step")
         if not isinstance(points, int) or isinstance(points, bool) or not 2 <= points <= 1000:
             raise ConfigError(f"frontier(points={points!r}): expected an int in [2, 1000]")
@@ -300,7 +321,7 @@ class TapeSAC:
 
     @property
     def plans(self) -> list[dict[str, Any]]:
-        """Policy "auto": every plan made so far (why, after which step, predicted vs measured peak)."""
+        """Every plan made so far (why, after which step, predicted vs measured peak); see ``plan``."""
         return self._runtime.plans
 
     @property

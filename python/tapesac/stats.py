@@ -3,7 +3,8 @@
 Both are built from the C++ field list (``replay/block_stats.h``, Note [Statistics defined once]): the fields, their
 types and their docs come from ``_C.block_stats_schema()``, so adding a counter is one line in C++. The only
 conversion is the unit table below: ``*_ns`` fields (nanoseconds) are reported as ``*_ms`` (milliseconds, float).
-A step's totals are summed in C++ (``replay/step_summary.h``) over the fields marked as summed.
+A step's totals are computed in C++ (``replay/step_summary.h``): the sum of the fields whose schema says "sum", the
+largest value of those that say "max".
 """
 
 from __future__ import annotations
@@ -41,19 +42,21 @@ def _convert(name: str, kind: str) -> tuple[str, type, Any, Callable[[Any], Any]
     return name, typ, default, typ
 
 
-_SCHEMA = [(name, kind, summed, doc) for name, kind, summed, doc in _C.block_stats_schema()]
+_SCHEMA = [(name, kind, combine, doc) for name, kind, combine, doc in _C.block_stats_schema()]
 # Python name -> (C++ name, converter); in schema order.
 _BLOCK_FIELDS = {}
-for _name, _kind, _summed, _doc in _SCHEMA:
+for _name, _kind, _combine, _doc in _SCHEMA:
     _py, _typ, _default, _conv = _convert(_name, _kind)
-    _BLOCK_FIELDS[_py] = (_name, _conv, _typ, _default, _summed, _doc)
+    _BLOCK_FIELDS[_py] = (_name, _conv, _typ, _default, _combine, _doc)
+# The fields a StepStats carries as the step's total ("sum") or largest value ("max") over its block calls.
 _SUMMED = [py for py, spec in _BLOCK_FIELDS.items() if spec[4]]
+_HOW = {"sum": " (summed over the block calls)", "max": " (the largest over the block calls)"}
 
 
 def _doc(summary: str, names: list[str], extra: dict[str, str] | None = None) -> str:
     lines = [summary, "", "Attributes:"]
     lines += [f"    {n}: {d}" for n, d in (extra or {}).items()]
-    lines += [f"    {n}: {_BLOCK_FIELDS[n][5]}" + (" (summed over the block calls)" if extra else "") for n in names]
+    lines += [f"    {n}: {_BLOCK_FIELDS[n][5]}" + (_HOW.get(_BLOCK_FIELDS[n][4], "") if extra else "") for n in names]
     return "\n".join(lines)
 
 
@@ -102,6 +105,8 @@ _STEP_EXTRA: dict[str, tuple[type, Any, str]] = {
     "record_counts": (dict, None, "the step's replay records by status ('match', 'recovered', ...)"),
     "graph_fallback_reasons": (dict, None, "graph backend: block calls by the reason of their last eager fallback"),
     "op_timing": (str, "", "the blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ"),
+    "over_limit": (bool, False, "the step's measured peak exceeded memory_limit, by over_limit_bytes (warned once "
+                                "through the 'tapesac' logger; the next step tightens)"),
 }
 
 
@@ -136,6 +141,7 @@ def step_stats_from(*, summary: dict[str, Any], blocks: tuple[Any, ...], memory:
     totals = summary["totals"]
     sums = {py: _BLOCK_FIELDS[py][1](totals[_BLOCK_FIELDS[py][0]]) for py in _SUMMED}
     return StepStats(blocks=blocks, memory=memory, block_calls=int(summary["block_calls"]),
+                     over_limit=int(totals["over_limit_bytes"]) > 0,
                      graph_fallback_reasons=dict(summary["graph_fallback_reasons"]),
                      record_counts=dict(summary["record_counts"]), op_timing=summary["op_timing"], **sums, **extra)
 

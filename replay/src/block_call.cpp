@@ -113,7 +113,7 @@ void BlockCall::release(int32_t slot) noexcept {
   if (s.dropped) {
     const ValueId v = s.value;
     --handles_[v];
-    if (s.last_round != round_ && --remaining_[v] <= 0) cache_.erase(v);
+    if (s.last_round != round_ && --remaining_[v] <= 0) note_last_unpack(v);
   }
   if (--alive_slots_ == 0 && forward_closed_) release_all();
 }
@@ -121,6 +121,7 @@ void BlockCall::release(int32_t slot) noexcept {
 void BlockCall::release_all() noexcept {
   // No handle is left: nothing of this block call can be unpacked any more.
   cache_.clear();
+  held_.clear();
   live_.clear();
   contract_.clear();
   available_.clear();
@@ -141,6 +142,7 @@ void BlockCall::close_forward() {
   prepare_approx(d);
   const std::vector<Read> targets = drop(d);
   trim_live(targets);
+  resolve_schedule(targets);
   // The span ends once the dropped tensors are freed: the planner's peak model reads the forward's windows.
   if (ctx_.memory) {
     ctx_.memory->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, ctx_.memory->elapsed_ns()});
@@ -305,6 +307,7 @@ void BlockCall::close_step() noexcept {
   step_closed_ = true;
   for (Slot& s : slots_) s.tensor.reset();
   cache_.clear();
+  held_.clear();
   live_.clear();
   approx_.reset();
   recorder_.clear();

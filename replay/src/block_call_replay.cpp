@@ -27,12 +27,13 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   ++closed_stats_.unpacks;
   if (!s.dropped) return serve_kept(slot);
   const ValueId v = s.value;
+  note_unpack(v);
   if (!cache_.count(v)) replay_for(v);
   auto it = cache_.find(v);
   TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
   at::Tensor t = it->second;
   slots_[static_cast<size_t>(slot)].last_round = round_;
-  if (--remaining_[v] <= 0) cache_.erase(it);
+  if (--remaining_[v] <= 0) note_last_unpack(v);
   return t;
 }
 
@@ -57,50 +58,45 @@ at::Tensor BlockCall::serve_kept(int32_t slot) {
   return s.tensor;
 }
 
-std::vector<Read> BlockCall::remaining_targets() {
-  std::vector<Read> targets;
-  for (const auto& [value, count] : remaining_) {
-    if (count > 0 && !cache_.count(value)) targets.push_back(Read{value, value_state_.at(value)});
-  }
-  std::sort(targets.begin(), targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
-  return targets;
-}
-
 void BlockCall::replay_for(ValueId wanted) {
   if (remaining_[wanted] <= 0) {  // a new backward over the same graph (retain_graph=True)
     ++round_;
     remaining_ = handles_;
+    restart_schedule();
   }
-  std::vector<Read> targets = remaining_targets();
-  PruneResult plan = prune(recorder_.tape(), targets, available_);
+  SegmentInputs in = segment_inputs(wanted);
+  const std::vector<at::Tensor>& base_live = in.live.empty() ? live_ : in.live;
   // Declared before the replay's tensors: the step's bytes are swapped back in only after the replay ends.
-  ResolvedLive resolved = contract_.resolve_live(recorder_.tape(), available_, plan, live_, wanted);
+  ResolvedLive resolved = contract_.resolve_live(recorder_.tape(), available_, in.plan, base_live, wanted);
   std::vector<at::Tensor> live_with_subs;
   if (!resolved.subs.empty()) {
-    live_with_subs = live_;
+    live_with_subs = base_live;
     for (auto& [value, tensor] : resolved.subs) live_with_subs[static_cast<size_t>(value)] = std::move(tensor);
   }
   allocator::MemoryCounter* counter = ctx_.memory ? &ctx_.memory->counter() : nullptr;
   PhaseScope phase(counter, allocator::Phase::kReplay);
   const int64_t begin_ns = ctx_.memory ? ctx_.memory->elapsed_ns() : 0;
+  const int64_t held_before = ctx_.memory ? block_held_bytes() : 0;
   const int64_t window_start = counter ? counter->begin_window() : 0;
   const int64_t allocated_before = counter ? counter->total().allocated : 0;
   const int64_t ns_before = replay_stats_.ns;
-  auto out = run_replay(targets, plan, live_with_subs.empty() ? live_ : live_with_subs, wanted);
+  auto out = run_replay(in, live_with_subs.empty() ? base_live : live_with_subs, wanted);
   if (approx_) approx_->finish(out);
   live_with_subs.clear();
+  in.live.clear();
   resolved.swaps.clear();  // the step's bytes back in the storages the replay read
-  account_replay(window_start, allocated_before, begin_ns);
+  account_replay(window_start, allocated_before, begin_ns, held_before);
   keep_rebuilt(out, resolved.recovered, replay_stats_.ns - ns_before);
+  finish_segment(in.segment);
 }
 
-std::unordered_map<ValueId, at::Tensor> BlockCall::run_replay(std::vector<Read>& targets, PruneResult& plan,
-                                                              const std::vector<at::Tensor>& live, ValueId wanted) {
+std::unordered_map<ValueId, at::Tensor> BlockCall::run_replay(SegmentInputs& in, const std::vector<at::Tensor>& live,
+                                                              ValueId wanted) {
   // A graph launch allocates nothing (its memory is static), so the limit is applied to eager replays only.
   // The graph path runs before the eager replay's arena routing: a capture routes its own allocations into the
   // arena (the graph device's pool), and the allocator refuses a second routing to a pool already routed.
   const common::Stopwatch graph_clock;
-  auto out = replay_graph(targets, plan, live);
+  auto out = replay_graph(in, live);
   if (!out.empty()) {
     replay_stats_.ns += graph_clock.elapsed_ns();
     return out;
@@ -109,23 +105,32 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::run_replay(std::vector<Read>&
   if (options_.has_arena() && ctx_.memory && ctx_.memory->device() != nullptr) {
     arena = ctx_.memory->device()->route(options_.arena_device, options_.arena_pool_id);
   }
-  targets = limit_targets(std::move(targets), Read{wanted, value_state_.at(wanted)}, plan);
+  limit_targets(in, Read{wanted, value_state_.at(wanted)});
   ReplaySource src;
   src.tape = &recorder_.tape();
   src.payloads = &recorder_.payloads();
   src.live = &live;
-  src.available = &available_;
+  src.available = &in.available;
   ReplayOptions opts;
   opts.check_metadata = options_.check_metadata;
   opts.op_override = approx_.get();
-  return replay(src, targets, opts, &replay_stats_);
+  opts.extra_outputs = &in.extras;
+  return replay(src, in.targets, opts, &replay_stats_);
 }
 
-void BlockCall::account_replay(int64_t window_start, int64_t allocated_before, int64_t begin_ns) {
+void BlockCall::account_replay(int64_t window_start, int64_t allocated_before, int64_t begin_ns,
+                               int64_t held_before) {
   if (!ctx_.memory) return;
   allocator::MemoryCounter& counter = ctx_.memory->counter();
   const int64_t ws = counter.window_peak() - window_start;
   closed_stats_.replay_peak_bytes = std::max(closed_stats_.replay_peak_bytes, ws);
+  closed_stats_.backward_ws_bytes = std::max(closed_stats_.backward_ws_bytes, held_before + ws);
+  // What the limit promises is the step peak: this replay's window peak on top of what was in use when it began.
+  const int64_t limit = std::max(options_.memory_limit, options_.graph_memory_limit);
+  if (limit > 0) {
+    const int64_t peak = ctx_.memory->baseline() + window_start + ws;
+    closed_stats_.over_limit_bytes = std::max(closed_stats_.over_limit_bytes, peak - limit);
+  }
   closed_stats_.replayed_bytes += counter.total().allocated - allocated_before;
   ctx_.memory->arena().on_replay(name_, ws);
   ctx_.memory->add_span(TimelineSpan{"replay", name_, begin_ns, ctx_.memory->elapsed_ns()});
@@ -134,6 +139,11 @@ void BlockCall::account_replay(int64_t window_start, int64_t allocated_before, i
 void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const std::string& recovered,
                              int64_t replay_ns) {
   for (auto& [value, tensor] : out) {
+    const auto r = remaining_.find(value);
+    if (r == remaining_.end() || r->second <= 0) {  // an intermediate a later segment holds (Note [Replay schedule])
+      held_[value] = std::move(tensor);
+      continue;
+    }
     try {
       contract_.verify_bytes(value, tensor, replay_ns);
     } catch (...) {
@@ -169,33 +179,39 @@ void BlockCall::record(ValueId v, const std::string& status, int64_t bytes, int6
   ctx_.memory->add_record(std::move(r));
 }
 
-std::vector<Read> BlockCall::limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan) {
+void BlockCall::limit_targets(SegmentInputs& in, const Read& wanted) {
   const Tape& tape = recorder_.tape();
-  const int64_t whole = predict_working_set(tape, plan, targets);
-  closed_stats_.predicted_replay_bytes = std::max(closed_stats_.predicted_replay_bytes, whole);
+  std::vector<Read> pinned = in.targets;
+  for (ValueId v : in.extras) pinned.push_back(Read{v, tape.value(v).state});
+  int64_t whole = predict_working_set(tape, in.plan, pinned);
   const int64_t limit = options_.memory_limit;
-  if (limit <= 0 || !ctx_.memory) return targets;
-  const int64_t in_use = ctx_.memory->in_use(live_cuda_device());
-  int64_t piece = whole;
-  std::vector<Read> piece_targets{wanted};
-  PruneResult piece_plan;
-  if (targets.size() > 1 && in_use + whole > limit) {
-    piece_plan = prune(tape, piece_targets, available_);
-    piece = predict_working_set(tape, piece_plan, piece_targets);
+  if (limit > 0 && ctx_.memory) {
+    const int64_t in_use = ctx_.memory->in_use(live_cuda_device());
+    if (in_use + whole > limit && !in.extras.empty()) whole = fit_extras(in, in_use, limit);
+    int64_t piece = whole;
+    std::vector<Read> piece_targets{wanted};
+    PruneResult piece_plan;
+    if (in.targets.size() > 1 && in_use + whole > limit) {
+      piece_plan = prune(tape, piece_targets, in.available);
+      piece = predict_working_set(tape, piece_plan, piece_targets);
+    }
+    const allocator::LimitDecision d = allocator::decide(limit, in_use, whole, piece);
+    switch (d.verdict) {
+      case allocator::LimitVerdict::kWhole:
+        break;
+      case allocator::LimitVerdict::kPieces:
+        ++closed_stats_.replay_pieces;
+        ctx_.memory->count_replay_piece();
+        in.plan = std::move(piece_plan);
+        in.targets = std::move(piece_targets);
+        in.extras.clear();
+        whole = piece;
+        break;
+      case allocator::LimitVerdict::kReject:
+        throw Error(ErrorKind::kMemoryLimit, allocator::rejection_message(d, name_, "the backward (replay)"));
+    }
   }
-  const allocator::LimitDecision d = allocator::decide(limit, in_use, whole, piece);
-  switch (d.verdict) {
-    case allocator::LimitVerdict::kWhole:
-      return targets;
-    case allocator::LimitVerdict::kPieces:
-      ++closed_stats_.replay_pieces;
-      ctx_.memory->count_replay_piece();
-      plan = std::move(piece_plan);
-      return piece_targets;
-    case allocator::LimitVerdict::kReject:
-      break;
-  }
-  throw Error(ErrorKind::kMemoryLimit, allocator::rejection_message(d, name_, "the backward (replay)"));
+  closed_stats_.predicted_replay_bytes = std::max(closed_stats_.predicted_replay_bytes, whole);
 }
 
 int BlockCall::live_cuda_device() const {
@@ -205,8 +221,7 @@ int BlockCall::live_cuda_device() const {
   return -1;
 }
 
-std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vector<Read>& targets,
-                                                               const PruneResult& plan,
+std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const SegmentInputs& in,
                                                                const std::vector<at::Tensor>& live) {
   if (ctx_.graphs == nullptr) return {};
   BlockStats& st = closed_stats_;
@@ -220,7 +235,8 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vecto
   call.tape = &recorder_.tape();
   call.payloads = &recorder_.payloads();
   call.live = &live;
-  call.available = &available_;
+  call.available = &in.available;
+  call.key_available = &available_;
   call.signature = signature_;
   call.memory_limit = std::max(options_.memory_limit, options_.graph_memory_limit);
   if (call.memory_limit > 0 && ctx_.memory) {
@@ -231,8 +247,8 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::replay_graph(const std::vecto
     call.last_peak = ctx_.last_peak;
   }
   GraphReplayOutcome outcome;
-  auto out = ctx_.graphs->replay(call, targets, plan, &outcome);
-  count_graph_outcome(outcome, plan);
+  auto out = ctx_.graphs->replay(call, in.targets, in.plan, &outcome, &in.extras);
+  count_graph_outcome(outcome, in.plan);
   return out;
 }
 

@@ -240,6 +240,9 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
   const size_t nvalues = tape.values().size();
   std::vector<uint8_t> is_target(nvalues, 0);
   for (const Read& r : targets) is_target[static_cast<size_t>(r.value)] = 1;
+  if (options.extra_outputs != nullptr) {
+    for (ValueId v : *options.extra_outputs) is_target[static_cast<size_t>(v)] = 1;
+  }
   // Position in plan.ops of each value's last read, to free replayed intermediates early.
   std::vector<int32_t> last_use(nvalues, -1);
   for (size_t k = 0; k < plan.ops.size(); ++k) {
@@ -256,6 +259,11 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
     at::Tensor t = src == ReadSource::kLive ? live[v] : env[v];
     TAPESAC_INTERNAL_ASSERT(t.defined(), "replay did not produce target v", r.value);
     result.emplace(r.value, std::move(t));
+  }
+  if (options.extra_outputs != nullptr) {
+    for (ValueId v : *options.extra_outputs) {
+      if (env[static_cast<size_t>(v)].defined()) result.emplace(v, env[static_cast<size_t>(v)]);
+    }
   }
   if (stats != nullptr) {
     stats->ns += clock.elapsed_ns();

@@ -414,14 +414,14 @@ struct GraphCache::Entry {
     applied.assign(exec->topology().node_count(), 1);
   }
 
-  // Every op of `plan` was captured; `stage_list` receives the live values they read (to stage before the launch)
-  // and `needed` the plan's ops. False with the reason in `out` when an op was not captured, or a value to stage has
+  // Every op of `plan` was captured; `stage_list` receives the live values they read (to stage before the launch),
+  // `needed` the plan's ops and `written` (per storage) what they write. False with the reason in `out` when an op was not captured, or a value to stage has
   // no static buffer or its storage is written by the replay.
   bool stage_list_for(const GraphCall& call, const PruneResult& plan, std::vector<uint8_t>& needed,
-                      std::vector<ValueId>& stage_list, GraphReplayOutcome& out) const {
+                      std::vector<uint8_t>& written, std::vector<ValueId>& stage_list, GraphReplayOutcome& out) const {
     const capture::Tape& tape = *call.tape;
     needed.assign(tape.ops().size(), 0);
-    std::vector<uint8_t> written(tape.storages().size(), 0);
+    written.assign(tape.storages().size(), 0);
     for (OpIndex i : plan.ops) {
       if (!in_graph[static_cast<size_t>(i)]) {
         return refuse(out, GraphFallback::kNotInGraph,
@@ -485,10 +485,11 @@ struct GraphCache::Entry {
     return true;
   }
 
-  // False with the reason in `out` while a tensor the previous launch handed out is still referenced.
-  bool handed_out_dead(const capture::Tape& tape, GraphReplayOutcome& out) const {
+  // False with the reason in `out` while a tensor an earlier launch handed out is still referenced and this launch
+  // writes its storage (`written`, per storage).
+  bool handed_out_dead(const capture::Tape& tape, const std::vector<uint8_t>& written, GraphReplayOutcome& out) const {
     for (ValueId v : handed) {
-      if (referenced(v)) {
+      if (written[static_cast<size_t>(tape.value(v).storage)] && referenced(v)) {
         return refuse(out, GraphFallback::kOutputsLive,
                       "v" + std::to_string(v) + " (" + describe_value(tape, v) +
                           ") from the previous launch of this graph is still referenced (" +
@@ -552,16 +553,25 @@ struct GraphCache::Entry {
   }
 
   // The targets' tensors after a launch: live ones as they are, replayed ones as fresh aliases of the static tensors
-  // (remembered in `handed`).
-  std::unordered_map<ValueId, at::Tensor> hand_out(const GraphCall& call, const std::vector<Read>& targets) {
+  // (remembered in `handed`); and the extras the launch computed (`needed` ops produced them), as aliases too.
+  std::unordered_map<ValueId, at::Tensor> hand_out(const GraphCall& call, const std::vector<Read>& targets,
+                                                   const std::vector<ValueId>* extras,
+                                                   const std::vector<uint8_t>& needed) {
     std::unordered_map<ValueId, at::Tensor> result;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (size_t k = 0; extras != nullptr && k < extras->size(); ++k) {
+      const ValueId v = (*extras)[k];
+      const OpIndex p = call.tape->value(v).producer;
+      if (p < 0 || !needed[static_cast<size_t>(p)] || !statics[static_cast<size_t>(v)].defined()) continue;
+      result.emplace(v, at::alias(statics[static_cast<size_t>(v)]));
+      handed.push_back(v);
+    }
     for (const Read& r : targets) {
       const auto v = static_cast<size_t>(r.value);
       if (classify_read(*call.tape, *call.available, r.value, r.state, false) == ReadSource::kLive) {
         result.emplace(r.value, (*call.live)[v]);
       } else {
         // A fresh TensorImpl over the static storage: whoever holds it shows in the storage's reference count.
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
         if (v < copy_out.size() && copy_out[v]) {  // Note [Host tensors under capture]
           result.emplace(r.value, statics[v].to(device_of(call.tape->value(r.value).meta)));
           continue;
@@ -697,11 +707,12 @@ bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIn
 // Nothing changes until every check passed; a failed check returns an empty map with the reason in `out`.
 std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const GraphCall& call,
                                                           const std::vector<Read>& targets, const PruneResult& plan,
+                                                          const std::vector<ValueId>* extras,
                                                           GraphReplayOutcome& out) {
-  std::vector<uint8_t> needed;
+  std::vector<uint8_t> needed, written;
   std::vector<ValueId> stage_list;
-  if (!e.stage_list_for(call, plan, needed, stage_list, out) || !e.targets_held(call, targets, needed, out) ||
-      !e.handed_out_dead(*call.tape, out)) {
+  if (!e.stage_list_for(call, plan, needed, written, stage_list, out) || !e.targets_held(call, targets, needed, out) ||
+      !e.handed_out_dead(*call.tape, written, out)) {
     return {};
   }
   const GraphPrune mask = prune_graph(*call.tape, e.exec->topology(), plan.ops);
@@ -720,18 +731,24 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const Graph
     capture::ExecGraph& x;
     ~AfterLaunch() { d.after_launch(x); }
   } after{*device_, *e.exec};
-  e.handed.clear();  // what the previous launch handed out is dead (checked above)
+  // What earlier launches handed out and is dead, or is about to be overwritten (checked above: dead), is forgotten.
+  e.handed.erase(std::remove_if(e.handed.begin(), e.handed.end(),
+                                [&](ValueId v) {
+                                  return written[static_cast<size_t>(call.tape->value(v).storage)] || !e.referenced(v);
+                                }),
+                 e.handed.end());
   if (!e.stage(*device_, *call.live, stage_list, out)) return {};
   e.apply(mask);
   e.launch(*device_, options_.time_launches, call.tape->ops().size(), out);
   out.enabled_nodes = mask.enabled_nodes;
   out.disabled_nodes = mask.disabled_nodes;
   out.ops = plan.ops.size();
-  return e.hand_out(call, targets);
+  return e.hand_out(call, targets, extras, needed);
 }
 
 std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call, const std::vector<Read>& targets,
-                                                          const PruneResult& plan, GraphReplayOutcome* outcome) {
+                                                          const PruneResult& plan, GraphReplayOutcome* outcome,
+                                                          const std::vector<ValueId>* extras) {
   std::lock_guard<std::mutex> lock(mu_);
   GraphReplayOutcome& out = *outcome;
   out = GraphReplayOutcome{};
@@ -739,7 +756,8 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
 
   // The key (Note [Graph keys]).
   std::vector<uint8_t> capture_live;
-  const std::vector<uint8_t> tainted = tainted_ops(tape, *call.available, &capture_live);
+  const std::vector<uint8_t> tainted =
+      tainted_ops(tape, call.key_available != nullptr ? *call.key_available : *call.available, &capture_live);
   std::vector<OpIndex> graph_ops;
   for (size_t i = 0; i < tainted.size(); ++i) {
     if (!tainted[i]) graph_ops.push_back(static_cast<OpIndex>(i));
@@ -769,7 +787,7 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
     return {};
   }
   if (!e.exec && !capture(e, call, graph_ops, capture_live, out)) return {};
-  return launch(e, call, targets, plan, out);
+  return launch(e, call, targets, plan, extras, out);
 }
 
 }  // namespace tapesac::replay

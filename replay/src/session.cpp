@@ -1,6 +1,8 @@
 // The step session (see session.h): opens and closes steps and block calls, and keeps what persists between steps.
 #include "tapesac/replay/session.h"
 
+#include <algorithm>
+
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
@@ -70,6 +72,11 @@ void Session::shutdown() noexcept {
   graphs_.reset();  // the graphs' static memory goes now, not when the Session object does
 }
 
+void Session::force_schedule(ForcedSchedule shape) {
+  TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: a replay schedule can only be forced between steps");
+  options_.forced_schedule = shape;
+}
+
 void Session::set_memory_limit(int64_t bytes) {
   TAPESAC_CHECK(bytes >= 0, kConfig, "memory_limit must be a non-negative number of bytes (0: no limit), got ", bytes);
   options_.memory_limit = bytes;
@@ -85,6 +92,7 @@ BlockContext Session::block_context(const std::string& name) {
   c.keep_dependents = &keep_dependents_;
   c.observer = &observer_;
   c.plans = &plans_;
+  c.orders = &orders_;
   c.approx = approx_.get();
   c.graphs = graphs_.get();
   c.last_peak = last_peak_;
@@ -141,6 +149,7 @@ void Session::collect_block_stats() noexcept {
     for (const auto& b : blocks_) {
       b->close_step();
       last_stats_.push_back(b->stats());
+      remember_order(*b);
       expected_ops_[b->name()] = static_cast<size_t>(last_stats_.back().ops_recorded);
       for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;
     }
@@ -149,6 +158,15 @@ void Session::collect_block_stats() noexcept {
     for (const auto& b : blocks_) b->close_step();
   }
   blocks_.clear();
+}
+
+void Session::remember_order(const BlockCall& b) {
+  // The first complete observation of a signature is kept (Note [Replay schedule]: stable per signature).
+  if (orders_.count(b.signature())) return;
+  UnpackObservation order = b.observed_order();
+  if (order.values.empty()) return;
+  if (orders_.size() >= kMaxOrders) orders_.clear();
+  orders_.emplace(b.signature(), std::move(order));
 }
 
 void Session::collect_memory() noexcept {
@@ -163,6 +181,12 @@ void Session::collect_memory() noexcept {
     }
     last_memory_ = std::move(m);
     last_summary_ = summarize_step(last_stats_, last_records_);
+    // The limit is promised for the whole step: a peak over it is reported however it came about.
+    const int64_t limit = std::max(options_.memory_limit, options_.graph_memory_limit);
+    if (limit > 0) {
+      int64_t& over = last_summary_.totals.over_limit_bytes;
+      over = std::max<int64_t>({over, last_peak_ - limit, 0});
+    }
   } catch (...) {
     last_memory_ = StepMemoryStats{};  // out of memory copying the timeline: the step's figures are lost
   }

@@ -1,7 +1,9 @@
 // A step's totals (see step_summary.h).
 #include "tapesac/replay/step_summary.h"
 
+#include <algorithm>
 #include <set>
+#include <utility>
 #include <type_traits>
 
 namespace tapesac::replay {
@@ -9,19 +11,19 @@ namespace tapesac::replay {
 StepSummary summarize_step(const std::vector<BlockStats>& blocks, const std::vector<ReplayRecord>& records) {
   StepSummary s;
   s.block_calls = static_cast<int64_t>(blocks.size());
-  // The integer fields of the totals in visiting order (null: not summed); every visit sees the same order.
-  std::vector<int64_t*> sums;
+  // The integer fields of the totals in visiting order with how they combine; every visit sees the same order.
+  std::vector<std::pair<int64_t*, Combine>> sums;
   for_each_block_field(s.totals, [&](const FieldInfo& f, auto& field) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, int64_t>) {
-      sums.push_back(f.combine == Combine::kSum ? &field : nullptr);
-    }
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, int64_t>) sums.emplace_back(&field, f.combine);
   });
   std::set<std::string> timings;
   for (const BlockStats& b : blocks) {
     size_t i = 0;
     for_each_block_field(b, [&](const FieldInfo& /*f*/, const auto& field) {
       if constexpr (std::is_same_v<std::decay_t<decltype(field)>, int64_t>) {
-        if (int64_t* total = sums[i]) *total += field;
+        auto [total, combine] = sums[i];
+        if (combine == Combine::kSum) *total += field;
+        if (combine == Combine::kMax) *total = std::max(*total, field);
         ++i;
       }
     });

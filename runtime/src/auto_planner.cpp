@@ -12,6 +12,7 @@
 #include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 #include "tapesac/planner/problem_io.h"
+#include "tapesac/planner/schedule.h"
 
 namespace tapesac::runtime {
 namespace {
@@ -62,7 +63,7 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak) {
   } catch (const planner::InfeasibleLimitError& e) {
     throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes()));
   }
-  PlanInfo out = install(plan);
+  PlanInfo out = install(plan, prep.input);
   last_model_ = model;
   last_input_ = prep.input;
   last_used_seq_ = use_seq;
@@ -77,17 +78,38 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak) {
 
 planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool sequence,
                                          const planner::PeakModel& model, int64_t limit) const {
+  if (options_.fixed_masks) {
+    const double slack = options_.least_peak_slack;
+    return sequence ? planner::plan_schedules(input, seq_, limit, slack)
+                    : planner::plan_schedules(input, model, limit, slack);
+  }
   return sequence ? planner::plan_step(input, seq_, limit) : planner::plan_step(input, model, limit);
 }
 
-/// Installs `plan` in the session (one BlockPlan per call name) and returns its figures per call and in total.
-PlanInfo AutoPlanner::install(const planner::StepPlan& plan) {
+/// Installs `plan` in the session (one BlockPlan per call name: its keep mask and replay schedule) and returns its
+/// figures per call and in total.
+PlanInfo AutoPlanner::install(const planner::StepPlan& plan, const planner::StepInput& input) {
   std::unordered_map<std::string, replay::BlockPlan> plans;
   PlanInfo out;
   for (size_t i = 0; i < calls_.size(); ++i) {
     const planner::CallPlan& cp = plan.calls[i];
-    plans.emplace(calls_[i].name, replay::BlockPlan{calls_[i].signature, cp.keep});
+    replay::BlockPlan bp{calls_[i].signature, cp.keep, {}, cp.working_set_bytes};
     CallPlanInfo c;
+    if (const planner::ScheduleChoice* sc = planner::call_schedule(input, plan, i)) {
+      bp.schedule.order = sc->order;
+      bp.schedule.segment_begin = sc->segment_begin;
+      for (const planner::ScheduleChoice::Hold& h : sc->holds) {
+        bp.schedule.holds.push_back(replay::ScheduleHold{h.value, h.from, h.until});
+      }
+      c.segments = sc->segments();
+      c.held_bytes = sc->held_bytes;
+    } else {  // the single replay, also under a limit (the call's default there would be another schedule)
+      const planner::BlockProblem& p = *calls_[i].problem;
+      for (size_t k = 0; k < p.candidates.size() && k < cp.keep.size(); ++k) {
+        if (!cp.keep[k]) bp.schedule.order.push_back(p.candidates[k]);
+      }
+    }
+    plans.emplace(calls_[i].name, std::move(bp));
     c.name = calls_[i].name;
     c.kept_bytes = cp.kept_bytes;
     c.working_set_bytes = cp.working_set_bytes;
@@ -141,21 +163,57 @@ planner::BlockProblem AutoPlanner::problem_with_costs(const Call& c) const {
   return p;
 }
 
+/// How the call's signature was unpacked in the step that observed it (empty values: never observed).
+planner::UnpackOrder AutoPlanner::unpack_order(const Call& c) const {
+  planner::UnpackOrder u;
+  if (!options_.schedules) return u;
+  const auto& orders = session_.unpack_orders();
+  const auto it = orders.find(c.signature);
+  if (it == orders.end()) return u;
+  u.values = it->second.values;
+  u.dies_before = it->second.dies_before;
+  if (c.holdable) u.holdable = *c.holdable;
+  return u;
+}
+
+int64_t AutoPlanner::ran_working_set(size_t j, const planner::BlockProblem& p, const planner::UnpackOrder& order) const {
+  const Call& c = calls_[j];
+  const auto& stats = session_.last_stats();
+  const replay::BlockStats* st = j < stats.size() && stats[j].name == c.name ? &stats[j] : nullptr;
+  if (st != nullptr && st->planned_ws_bytes > 0) return st->planned_ws_bytes;  // the plan's schedule ran
+  if (st == nullptr || st->segments <= 1 || order.values.empty()) return planner::replay_working_set_bytes(p, c.kept);
+  // The call's default schedule under a limit: the finest segments, holding what later ones read.
+  const std::vector<int32_t> replay_order = planner::replay_order(p, c.kept, order);
+  std::vector<int32_t> fine(replay_order.size());
+  for (size_t k = 0; k < fine.size(); ++k) fine[k] = static_cast<int32_t>(k);
+  const std::vector<int32_t> from_start(p.values.size(), 0);
+  return planner::evaluate_schedule(p, c.kept, order, replay_order, fine, from_start).working_set_bytes;
+}
+
 AutoPlanner::Prepared AutoPlanner::prepare() const {
   Prepared out;
   std::vector<planner::BlockProblem> problems;
   problems.reserve(calls_.size());
-  for (const Call& c : calls_) {
+  std::vector<planner::KeepMask> masks;
+  for (size_t j = 0; j < calls_.size(); ++j) {
+    const Call& c = calls_[j];
     planner::BlockProblem p = problem_with_costs(c);
+    out.orders.push_back(unpack_order(c));
     out.kept_ref.push_back(planner::kept_bytes(p, c.kept));
-    out.ws_ref.push_back(planner::replay_working_set_bytes(p, c.kept));
+    out.ws_ref.push_back(ran_working_set(j, p, out.orders.back()));
     out.sum_kept += out.kept_ref.back();
     out.max_ws = std::max(out.max_ws, out.ws_ref.back());
+    masks.push_back(c.kept);
     problems.push_back(std::move(p));
   }
   std::vector<const planner::BlockProblem*> ptrs;
-  for (const auto& p : problems) ptrs.push_back(&p);
-  out.input = planner::build_step_input(ptrs);
+  std::vector<const planner::UnpackOrder*> orders;
+  for (size_t j = 0; j < problems.size(); ++j) {
+    ptrs.push_back(&problems[j]);
+    orders.push_back(out.orders[j].values.empty() ? nullptr : &out.orders[j]);
+  }
+  out.input = options_.fixed_masks ? planner::fixed_step_input(ptrs, masks, orders)
+                                   : planner::build_step_input(ptrs, {}, orders);
   return out;
 }
 
@@ -196,12 +254,18 @@ void AutoPlanner::observe(const replay::BlockTapeView& v) {
   cost_model_.observe(sig, planner::measured_costs(v.tape));
   auto it = problems_.find(sig);
   if (it == problems_.end()) {
-    if (problems_.size() > options_.max_problems) problems_.clear();
+    if (problems_.size() > options_.max_problems) {
+      problems_.clear();
+      holdable_.clear();
+    }
     auto p = std::make_shared<const planner::BlockProblem>(planner::problem_from_tape(
         v.tape, v.candidates, v.must_keep, std::vector<double>(v.tape.ops().size(), 0.0), sig));
     it = problems_.emplace(sig, std::move(p)).first;
+    auto holdable = std::make_shared<std::vector<uint8_t>>(v.tape.values().size(), 0);
+    for (size_t k = 0; k < holdable->size(); ++k) (*holdable)[k] = replay::holdable(v.tape, static_cast<int32_t>(k));
+    holdable_[sig] = std::move(holdable);
   }
-  calls_.push_back(Call{v.name, v.signature, it->second, v.kept});
+  calls_.push_back(Call{v.name, v.signature, it->second, v.kept, holdable_[sig]});
 }
 
 }  // namespace tapesac::runtime

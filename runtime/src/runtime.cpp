@@ -2,9 +2,11 @@
 #include "tapesac/runtime/runtime.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 
 #include "tapesac/common/errors.h"
+#include "tapesac/planner/step.h"
 #include "tapesac/runtime/graph_reserve.h"
 
 namespace tapesac::runtime {
@@ -17,7 +19,15 @@ Runtime::Runtime(replay::Session& session, RuntimeOptions options)
     TAPESAC_CHECK(limit_ > 0, kConfig,
                   "policy='auto' plans under a memory limit: pass memory_limit (bytes, e.g. '20GiB', or '90%' of the "
                   "device's memory), or use policy='full' / 'none' without one");
-    planner_ = std::make_unique<AutoPlanner>(session_, options.planner);
+    AutoPlannerOptions o = options.planner;
+    o.schedules = options.schedules;
+    planner_ = std::make_unique<AutoPlanner>(session_, o);
+  } else if (options.schedules) {
+    AutoPlannerOptions o = options.planner;
+    o.schedules = true;
+    o.fixed_masks = true;
+    planner_ = std::make_unique<AutoPlanner>(session_, o);
+    fixed_masks_ = true;
   }
 }
 
@@ -25,7 +35,7 @@ int64_t Runtime::before_step() {
   int64_t enforced = limit_;
   if (planner_) {
     planner_->begin_step();
-    if (!plan_) enforced = 0;  // the measuring step
+    if (!plan_ && !fixed_masks_) enforced = 0;  // auto's measuring step
   } else if (limit_ != 0 && chooser_.exploring()) {
     enforced = 0;  // a preservation trial
   }
@@ -42,14 +52,27 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   if (!planner_ || session_.last_summary().block_calls == 0) return;
   session_.set_memory_limit(limit_);
   const auto& blocks = session_.last_stats();
-  const bool unplanned =
-      std::any_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return !b.planned; });
-  const StepOutcome outcome{limit_, measured, unplanned};
-  const ReplanDecision d = replan_.decide(plan(), outcome);
+  // With fixed masks a call that drops nothing has no schedule to follow.
+  const bool unplanned = std::any_of(blocks.begin(), blocks.end(), [&](const replay::BlockStats& b) {
+    return !b.planned && (!fixed_masks_ || b.dropped_tensors > 0);
+  });
+  // Without a limit (schedules for the least peak) no step is over it.
+  const StepOutcome outcome{limit_ > 0 ? limit_ : INT64_MAX, measured, unplanned};
+  ReplanDecision d = replan_.decide(plan(), outcome);
   if (!d.replan) return;
+  if (limit_ > 0 && measured > limit_ && plan_ && plan_->keeps_everything && !fixed_masks_) {
+    // Kept everything within the planner's tolerance and ran over the limit: the next plan lies below it.
+    const int64_t floor = plan_->predicted_peak_bytes - planner::keep_everything_tolerance(plan_->predicted_peak_bytes);
+    d.margin_bytes = std::max(d.margin_bytes, limit_ - floor + 1);
+  }
   replay::GraphCache* graphs = session_.graph_cache();
-  ReservedPlan r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0,
-                                           [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on); });
+  ReservedPlan r;
+  if (limit_ > 0) {
+    r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0,
+                                [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on); });
+  } else {
+    r.plan = planner_->plan(0, d.calibrate_on);
+  }
   if (r.capture && graphs) graphs->set_capture_enabled(*r.capture);
   PlanInfo& info = r.plan;
   info.graph_reserve_bytes = r.reserve_bytes;
@@ -71,7 +94,7 @@ void Runtime::choose_preservation(int64_t measured_peak_bytes) {
 }
 
 void Runtime::set_memory_limit(int64_t bytes) {
-  TAPESAC_CHECK(!planner_ || bytes != 0, kConfig,
+  TAPESAC_CHECK(!planner_ || fixed_masks_ || bytes != 0, kConfig,
                 "policy='auto' needs a memory_limit; to run without one create a TapeSAC with policy='full' or "
                 "'none'");
   session_.set_memory_limit(bytes);

@@ -369,6 +369,30 @@ def tapesac_auto_at_sac_peak_variants(ctx: Ctx) -> list[Variant]:
     return [v]
 
 
+def tapesac_schedule_variants(ctx: Ctx) -> list[Variant]:
+    """tapesac with replay schedules (Config.schedule): "full" with the lazy shape and with planned schedules (the
+    least predicted peak), and "auto" with planned schedules at 0.9x checkpointing's measured step peak (below the
+    one-segment floor)."""
+    lazy = _tapesac_variant(ctx, "tapesac_full_lazy", 'tapesac "full", schedule="lazy"', policy="full",
+                            schedule="lazy")
+    planned = _tapesac_variant(ctx, "tapesac_full_planned", 'tapesac "full", schedule="planned"', policy="full",
+                               schedule="planned")
+    planned.prime_steps = 2
+    out = [lazy, planned]
+    for v in out:
+        v.optional = True
+    ckpt_peak = ctx.results.get(CKPT, {}).get("peak_bytes")
+    if ckpt_peak:
+        limit = int(0.9 * ckpt_peak)
+        v = _tapesac_variant(ctx, "tapesac_auto_planned_ckpt90", 'tapesac auto, schedule="planned", 0.9x ckpt peak',
+                             policy="auto", schedule="planned", memory_limit=limit)
+        v.optional = True
+        v.prime_steps = 3
+        v.info["memory_limit_bytes"] = limit
+        out.append(v)
+    return out
+
+
 # The policy both replay backends run with, so that tapesac_eager vs tapesac_cuda_graph isolates the backend.
 BACKEND_POLICY = "full"
 
@@ -405,5 +429,6 @@ VARIANT_FACTORIES: list[Callable[[Ctx], list[Variant]]] = [
     tapesac_auto_variants,
     tapesac_auto_at_sac_peak_variants,
     tapesac_backend_variants,
+    tapesac_schedule_variants,
 ]
 

@@ -128,7 +128,7 @@ TEST(Decide, APlanAppliesOnlyToTheTapeItWasMadeFor) {
   Chain c;
   DecisionInput in = c.input(PolicyKind::kPlan);
   const uint64_t sig = tape_signature(c.b.tape, {c.mm, c.relu, c.tanh});
-  BlockPlan plan{sig, {1, 0, 1}};
+  BlockPlan plan{sig, {1, 0, 1}, {}, 0};
   in.plan = &plan;
   KeepDecision d = decide_keep(in);
   EXPECT_TRUE(d.planned);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tapesac/planner/problem.h"
+#include "tapesac/planner/schedule.h"
 #include "tapesac/planner/select.h"
 
 namespace tapesac::planner {
@@ -16,6 +17,11 @@ struct FrontierPoint {
   double replay_cost_ns = 0;      // replay_cost_ns(problem, keep)
   int64_t working_set_bytes = 0;  // replay_working_set_bytes(problem, keep)
   KeepMask keep;
+  /// The replay schedules of this mask (schedule_choices(); empty: only the single replay, the figures above).
+  std::vector<ScheduleChoice> schedules;
+  /// In a frontier seen under a working-set cap (step.cpp): the original point and the schedule standing for it.
+  int32_t origin = -1;
+  int32_t schedule = -1;
 };
 
 struct BlockFrontier {
@@ -47,5 +53,10 @@ struct FrontierOptions {
 /// greedy fills between consecutive vertices, a few full heuristic solves in the widest gaps, and the greedy drop
 /// chain; then the Pareto filter. Throws tapesac::Error (kConfig) on an invalid problem.
 BlockFrontier block_frontier(const BlockProblem& problem, const FrontierOptions& options = {});
+
+/// Adds the replay schedules of `unpack` (schedule_choices()) to at most `max_points` points of `frontier`, spread
+/// evenly from its least-memory point (the last point, keeping everything, replays nothing and gets none).
+void add_schedules(BlockFrontier& frontier, const BlockProblem& problem, const UnpackOrder& unpack,
+                   int32_t max_points = 8, const ScheduleOptions& options = {});
 
 }  // namespace tapesac::planner

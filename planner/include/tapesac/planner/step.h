@@ -19,13 +19,23 @@ struct StepInput {
 };
 
 /// Builds a StepInput from the problems of the step's block calls: one frontier per signature, computed from the
-/// first call with that signature. Throws tapesac::Error (kConfig) when two calls share a signature but not the
-/// problem's shape (op, value and candidate counts), or when a problem is invalid.
-StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const FrontierOptions& options = {});
+/// first call with that signature, with the replay schedules of its unpack order (`orders`: per call, may be empty
+/// or hold nulls: no schedules; add_schedules()). Throws tapesac::Error (kConfig) when two calls share a signature
+/// but not the problem's shape (op, value and candidate counts), or when a problem is invalid.
+StepInput build_step_input(const std::vector<const BlockProblem*>& calls, const FrontierOptions& options = {},
+                           const std::vector<const UnpackOrder*>& orders = {});
+
+/// The StepInput of fixed keep masks (policies "full", op sets, callables: the policy keeps, only the schedules are
+/// planned): per signature one frontier of one point, `masks[j]` of the first call with it, with its schedules.
+/// Same errors as build_step_input, and kConfig when a mask does not fit its problem.
+StepInput fixed_step_input(const std::vector<const BlockProblem*>& calls, const std::vector<KeepMask>& masks,
+                           const std::vector<const UnpackOrder*>& orders);
 
 struct CallPlan {
   int32_t frontier = 0;  // index into StepInput::frontiers
   int32_t point = 0;     // index into that frontier's points
+  /// Index into that point's schedules (-1: none, the single replay).
+  int32_t schedule = -1;
   KeepMask keep;
   int64_t kept_bytes = 0;
   int64_t working_set_bytes = 0;
@@ -70,11 +80,30 @@ StepPlan plan_step(const StepInput& input, const PeakModel& model, int64_t limit
 /// kept total alone, so this searches the budget B of plan_step's additive model (kept + largest working set
 /// <= B) for the largest B whose plan fits (see Note [Sequence search] in step.cpp); predicted, smallest feasible
 /// and keep-everything peaks are the sequence model's. Throws InfeasibleLimitError when the least-memory plan does
-/// not fit. replay_cost_lower_bound_ns is the additive problem's bound at the chosen budget. A limit within 0.01%
-/// (at least 4 KiB) below the keep-everything prediction keeps everything (byte accounting tolerance).
+/// not fit. replay_cost_lower_bound_ns is the additive problem's bound at the chosen budget. Every call then gets the
+/// cheapest of its point's schedules that keeps the prediction under the limit. A limit within
+/// keep_everything_tolerance() below the keep-everything prediction keeps everything (byte accounting tolerance: such
+/// a plan may run over the limit by up to the tolerance; runtime::Runtime flags the step and plans below it next).
 StepPlan plan_step(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes);
+
+/// max(4 KiB, 0.01% of the keep-everything peak): how far below that peak a limit still keeps everything.
+int64_t keep_everything_tolerance(int64_t keep_all_peak_bytes);
 
 /// Per-call kept bytes and working sets of a plan, in call order (what SequencePeakModel::predict takes).
 void plan_profile(const StepPlan& plan, std::vector<int64_t>* kept, std::vector<int64_t>* ws);
+
+/// The schedule a plan gives call `j` (null: none, the single replay).
+const ScheduleChoice* call_schedule(const StepInput& input, const StepPlan& plan, size_t j);
+
+/// Fixed keep masks (fixed_step_input: one point per frontier): the schedule of every call. With limit_bytes > 0,
+/// per call the cheapest schedule that keeps the predicted step peak <= limit_bytes; InfeasibleLimitError naming the
+/// least predicted peak when even the least-memory schedules do not fit. With limit_bytes <= 0, per call the
+/// cheapest schedule that keeps the prediction within `slack` (a fraction) of the least peak any choice of schedules
+/// reaches ("full" keeps about the least memory without paying any price for the last bytes; see Note [Fixed masks]
+/// in step.cpp). The StepPlan's min_feasible_peak_bytes is that least peak; keep_all_peak_bytes the peak of the
+/// single replays.
+StepPlan plan_schedules(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes,
+                        double slack = 0);
+StepPlan plan_schedules(const StepInput& input, const PeakModel& model, int64_t limit_bytes, double slack = 0);
 
 }  // namespace tapesac::planner

@@ -25,6 +25,7 @@
 #include "tapesac/replay/decide.h"
 #include "tapesac/replay/eager_replayer.h"
 #include "tapesac/replay/graph_block.h"
+#include "tapesac/replay/schedule.h"
 #include "tapesac/replay/session_options.h"
 #include "tapesac/replay/step_memory.h"
 
@@ -32,6 +33,8 @@ namespace tapesac::replay {
 
 /// The policy kSaveOps's answers per op kind (-1: not asked yet), shared by a Session's block calls.
 using SaveOpCache = std::vector<int8_t>;
+/// Per tape signature: how backward used the dropped values (Note [Replay schedule]).
+using UnpackOrders = std::unordered_map<uint64_t, UnpackObservation>;
 
 /// What a block call borrows from its Session for one step. Pointers are owned by the Session and outlive the step;
 /// null members mean "none".
@@ -46,6 +49,8 @@ struct BlockContext {
   const std::unordered_set<const void*>* keep_dependents = nullptr;
   const TapeObserver* observer = nullptr;
   const std::unordered_map<std::string, BlockPlan>* plans = nullptr;
+  /// Unpack orders observed in earlier steps (the default schedule's order).
+  const UnpackOrders* orders = nullptr;
   Approx* approx = nullptr;
   GraphCache* graphs = nullptr;
   /// The step peak of the previous step (a graph capture must fit on top of it).
@@ -78,7 +83,11 @@ class BlockCall : public capture::RecorderListener,
   void release(int32_t slot) noexcept;
 
   const std::string& name() const { return name_; }
+  uint64_t signature() const { return signature_; }
   BlockStats stats() const;
+  /// The dropped values in the order this call's backward first unpacked them, followed by those it never unpacked
+  /// (in the schedule's order), with when each was last unpacked; empty when no dropped value was unpacked.
+  UnpackObservation observed_order() const;
   /// Names of the recorded ops, in order.
   std::vector<std::string> op_names() const;
   const std::unordered_map<capture::OpKind, int64_t>& replayed_by_kind() const { return replay_stats_.ops_by_kind; }
@@ -114,28 +123,61 @@ class BlockCall : public capture::RecorderListener,
   std::vector<Read> drop(const KeepDecision& d);
   void trim_live(const std::vector<Read>& targets);
 
+  // One replay of the schedule's segment (Note [Replay schedule] in schedule.h; block_call_schedule.cpp).
+  struct SegmentInputs {
+    int32_t segment = -1;
+    std::vector<Read> targets;
+    /// Values the replay also returns because a later segment holds them.
+    std::vector<ValueId> extras;
+    PruneResult plan;
+    /// What the replay reads live: available_, plus the held values and the rebuilt values still waiting.
+    std::vector<uint8_t> available;
+    /// Their tensors, by ValueId (empty: live_).
+    std::vector<at::Tensor> live;
+  };
+
   // unpack(), in order.
   void begin_backward();
   at::Tensor serve_kept(int32_t slot);
   void replay_for(ValueId wanted);
-  std::vector<Read> remaining_targets();
-  std::unordered_map<ValueId, at::Tensor> run_replay(std::vector<Read>& targets, PruneResult& plan,
-                                                     const std::vector<at::Tensor>& live, ValueId wanted);
-  void account_replay(int64_t window_start, int64_t allocated_before, int64_t begin_ns);
+  std::unordered_map<ValueId, at::Tensor> run_replay(SegmentInputs& in, const std::vector<at::Tensor>& live,
+                                                     ValueId wanted);
+  void account_replay(int64_t window_start, int64_t allocated_before, int64_t begin_ns, int64_t held_before);
   void keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const std::string& recovered, int64_t replay_ns);
+
+  // The schedule (block_call_schedule.cpp).
+  void resolve_schedule(const std::vector<Read>& targets);
+  std::vector<ValueId> default_order() const;
+  ReplaySchedule default_schedule(const std::vector<Read>& targets) const;
+  int32_t segment_of(ValueId v) const;
+  SegmentInputs segment_inputs(ValueId wanted);
+  void note_unpack(ValueId v);
+  void finish_segment(int32_t segment);
+  void release_holds(int32_t before);
+  void restart_schedule();
+  /// Removes `v` from the rebuilt values after its last unpack, or moves it to the held ones when a later segment's
+  /// replay still reads it.
+  void drop_cached(ValueId v);
+  /// `v`'s last unpack of the round happened (it is not needed any more in this round).
+  void note_last_unpack(ValueId v);
+  /// Bytes of the distinct storages of the rebuilt values waiting for unpacks and of the held ones; with
+  /// `later_only`, only the held ones and the rebuilt values of segments after `segment`.
+  int64_t block_held_bytes(bool later_only = false, int32_t segment = -1) const;
+  /// Drops from in.extras what does not fit under the limit with `in_use` in use, keeping the extras whose rebuild
+  /// costs most per byte first; returns the working set of what is left.
+  int64_t fit_extras(SegmentInputs& in, int64_t in_use, int64_t limit);
 
   void resolve_pending(bool final);
   void release_all() noexcept;
-  /// Applies the memory limit to a replay of `targets` (the remaining dropped values): returns the targets to
-  /// replay now (all of them, or only `wanted` when the whole would not fit); throws MemoryLimitError when
-  /// even `wanted` alone cannot fit.
-  std::vector<Read> limit_targets(std::vector<Read> targets, const Read& wanted, PruneResult& plan);
+  /// Applies the memory limit to the replay `in`: keeps the extras that fit (fit_extras), then replays all of
+  /// in.targets, or only `wanted` when they would not fit (in.plan and in.targets updated); throws MemoryLimitError
+  /// when even `wanted` alone cannot fit.
+  void limit_targets(SegmentInputs& in, const Read& wanted);
   /// The CUDA device of the tensors this call holds live, or -1 (CPU).
   int live_cuda_device() const;
   /// Replays `targets` through the session's graph cache; empty when it ran nothing (warm-up or fallback: the
   /// caller replays eagerly). Updates the graph fields of the stats.
-  std::unordered_map<ValueId, at::Tensor> replay_graph(const std::vector<Read>& targets, const PruneResult& plan,
-                                                       const std::vector<at::Tensor>& live);
+  std::unordered_map<ValueId, at::Tensor> replay_graph(const SegmentInputs& in, const std::vector<at::Tensor>& live);
   void count_graph_outcome(const GraphReplayOutcome& outcome, const PruneResult& plan);
 
   std::string name_;
@@ -166,6 +208,16 @@ class BlockCall : public capture::RecorderListener,
   uint64_t signature_ = 0;
   std::vector<int64_t> graph_op_ns_;         // per tape op, summed over the timed launches
   std::vector<std::string> graph_op_names_;  // op names, taken at the first timed launch (the tape goes at step end)
+  // The replay schedule of this call (resolved at close_forward) and its state in the current round.
+  ReplaySchedule schedule_;
+  std::vector<int32_t> segment_of_;    // per ValueId: its segment, -1 outside the schedule
+  std::vector<int32_t> hold_until_;    // per ValueId: held until that segment replayed, -1: not held
+  std::vector<int32_t> hold_from_;     // per ValueId: held when a segment from this one on produces it
+  std::vector<uint8_t> segment_done_;  // per segment: replayed in this round
+  std::unordered_map<ValueId, at::Tensor> held_;
+  std::vector<ValueId> unpack_order_;  // dropped values, first unpacks in order
+  std::vector<uint8_t> unpacked_;      // per ValueId
+  std::vector<int32_t> dies_before_;   // per ValueId: unpack_order_.size() at its last unpack, -1: not yet
   BlockStats closed_stats_;
 };
 

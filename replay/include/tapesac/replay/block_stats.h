@@ -27,8 +27,19 @@
   X(int64_t, replay_pieces, kSum, "replays split because the whole did not fit under memory_limit")                  \
   X(int64_t, replay_peak_bytes, kNone, "the largest measured working set of one replay")                             \
   X(int64_t, predicted_replay_bytes, kNone, "the largest working set of one replay predicted from the tape")         \
+  X(int64_t, segments, kNone,                                                                                        \
+    "segments of the replay schedule the call followed (1: the first unpack rebuilds every dropped value)")         \
+  X(int64_t, held_bytes, kMax, "the most bytes held across segments (values a replay rebuilt for a later one)")      \
+  X(int64_t, backward_ws_bytes, kNone,                                                                               \
+    "measured: the most bytes the call's replays held at once (values waiting for their unpacks, held values and "  \
+    "the running replay's working set)")                                                                             \
+  X(int64_t, planned_ws_bytes, kNone, "the planner's prediction of backward_ws_bytes for the schedule (0: no plan)") \
+  X(int64_t, over_limit_bytes, kMax,                                                                                 \
+    "by how much memory in use exceeded memory_limit while one of the call's replays ran (the step's figure: by "  \
+    "how much its measured peak exceeded the limit; 0: within)")                                                    \
   X(bool, planned, kNone,                                                                                            \
-    "policy 'auto': the plan was applied (False: no plan matched this tape and the call ran as 'full')")            \
+    "the plan was applied (policy 'auto': its keep mask, else the call ran as 'full'; other policies: its replay "  \
+    "schedule, else the default one)")                                                                               \
   X(std::string, capture_error, kNone, "why recording failed or the policy raised (everything was then kept)")       \
   X(std::string, op_timing, kNone,                                                                                   \
     "where the tape's op times (the planner's costs) came from: 'cupti' or 'cuda_events' (device timing, on CUDA "   \

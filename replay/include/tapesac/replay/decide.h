@@ -22,16 +22,21 @@
 
 #include "tapesac/capture/tape.h"
 #include "tapesac/replay/prune.h"
+#include "tapesac/replay/schedule.h"
 
 namespace tapesac::replay {
 
 enum class PolicyKind { kNone, kFull, kSaveOps, kPlan };
 
-/// The plan of one block (policy kPlan): for the block call whose tape has `signature`, keep candidate i iff
-/// keep[i] (candidates in the order BlockTapeView lists them).
+/// The plan of one block call: for the block call whose tape has `signature`, under policy kPlan keep candidate i
+/// iff keep[i] (candidates in the order BlockTapeView lists them; other policies decide themselves and leave it
+/// empty), and replay the dropped values by `schedule` (schedule.h; empty order: the call's default schedule).
 struct BlockPlan {
   uint64_t signature = 0;
   std::vector<uint8_t> keep;
+  ReplaySchedule schedule;
+  /// The planner's prediction of the most bytes the call's replays hold at once under `schedule` (0: none).
+  int64_t schedule_ws_bytes = 0;
 };
 
 /// One saved tensor as the decision sees it: its value (>= 0) and the state of its storage when it was saved.

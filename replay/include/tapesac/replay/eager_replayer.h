@@ -66,6 +66,9 @@ struct ReplayOptions {
   bool set_rng = true;
   /// Borrowed; null: none.
   ReplayObserver* observer = nullptr;
+  /// Borrowed; null: none. Values the replay also returns, alive to its end like targets, when an op of the closure
+  /// produces them (the holds of a replay schedule, schedule.h).
+  const std::vector<ValueId>* extra_outputs = nullptr;
 };
 
 /// Whether `t` has the layout (strided or not) the forward recorded in `m`.
@@ -81,7 +84,8 @@ bool same_device(const capture::TensorMeta& m, const at::Tensor& t);
 /// and in-place ops allocate nothing. Kernel workspaces are not modelled (telemetry measures the real figure).
 int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std::vector<Read>& targets);
 
-/// Replays the closure of `targets` and returns their tensors by value id. Throws tapesac::Error (kReplayContract)
+/// Replays the closure of `targets` and returns their tensors by value id (and those of options.extra_outputs the
+/// closure produced). Throws tapesac::Error (kReplayContract)
 /// when the closure cannot be replayed or a replayed output diverges from the tape's metadata. Not thread-safe for
 /// the same source; generator states are restored even when it throws.
 std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const std::vector<Read>& targets,

@@ -23,7 +23,10 @@
 //  * the tensors handed out by the previous launch are dead (outputs_live), judged from reference counts;
 //  * the device can make the random ops draw the forward's numbers (rng_mismatch).
 // Launched targets are the static tensors themselves (no copy): autograd reads them before the next launch of
-// the same graph, which the liveness check enforces.
+// the same graph writes them, which the liveness check enforces. With a replay schedule (schedule.h) a block call
+// launches once per segment with that segment's nodes enabled: the values an earlier launch handed out and a later
+// segment reads live are its static tensors (nothing is staged), and a launch is refused only when it would write
+// the storage of a handed-out value that is still referenced.
 //
 // Note [Host tensors under capture]. A graph bound to a device type (GraphDevice::graph_device_type(): CUDA) holds
 // only that device's work. An op that reads a tensor elsewhere (a CPU scalar tensor multiplying a CUDA tensor, an
@@ -83,9 +86,13 @@ struct GraphOptions {
 struct GraphCall {
   const capture::Tape* tape = nullptr;
   const std::vector<capture::OpPayload>* payloads = nullptr;
-  /// Live tensors by ValueId (externals and kept values, snapshot substitutions applied).
+  /// Live tensors by ValueId (externals and kept values, snapshot substitutions applied; with a replay schedule
+  /// also the values the call holds between segments).
   const std::vector<at::Tensor>* live = nullptr;
   const std::vector<uint8_t>* available = nullptr;
+  /// What the call keeps for the whole backward (externals and kept values), from which the graph key is computed
+  /// (Note [Graph keys]); null: `available`. Segments of a schedule read more live (held values) with the same key.
+  const std::vector<uint8_t>* key_available = nullptr;
   uint64_t signature = 0;
   /// Step-peak limit (0: none), the step's peak so far and the last step's measured peak (0: none yet). Under a
   /// limit, a graph is captured only once a step was measured, and only when its static memory fits on top of both
@@ -152,11 +159,13 @@ class GraphCache {
   GraphCache& operator=(const GraphCache&) = delete;
 
   /// Replays `targets` of `call` (`plan` = prune(targets) over call.available) on the key's graph: captures it
-  /// after the warm-up, then stages, prunes and launches. Returns the targets' tensors when launched; otherwise an
-  /// empty map and `outcome` says why (warm-up or a fallback): the caller replays eagerly. Throws only what the
-  /// device or the capture run throws (the capture is then abandoned and the key marked failed).
+  /// after the warm-up, then stages, prunes and launches. Returns the targets' tensors when launched, and those of
+  /// `extras` (values a later segment holds; may be null) the launch computed; otherwise an empty map and `outcome`
+  /// says why (warm-up or a fallback): the caller replays eagerly. Throws only what the device or the capture run
+  /// throws (the capture is then abandoned and the key marked failed).
   std::unordered_map<capture::ValueId, at::Tensor> replay(const GraphCall& call, const std::vector<Read>& targets,
-                                                          const PruneResult& plan, GraphReplayOutcome* outcome);
+                                                          const PruneResult& plan, GraphReplayOutcome* outcome,
+                                                          const std::vector<capture::ValueId>* extras = nullptr);
 
   const capture::GraphDevice& device() const { return *device_; }
   size_t graphs() const;
@@ -176,6 +185,7 @@ class GraphCache {
                const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out);
   std::unordered_map<capture::ValueId, at::Tensor> launch(Entry& e, const GraphCall& call,
                                                           const std::vector<Read>& targets, const PruneResult& plan,
+                                                          const std::vector<capture::ValueId>* extras,
                                                           GraphReplayOutcome& out);
 
   std::shared_ptr<capture::GraphDevice> device_;

@@ -60,10 +60,17 @@ class Session {
   const StepMemoryStats& last_memory() const { return last_memory_; }
   void set_memory_limit(int64_t bytes);
   void set_graph_memory_limit(int64_t bytes) { options_.graph_memory_limit = bytes; }
-  /// Policy kPlan: the plans by block name (replaces the previous ones). A block call whose tape signature differs
-  /// from its plan's, or without a plan, runs as "full" (BlockStats::planned == false).
+  /// Makes every block call follow `shape` instead of its plan's or its default schedule (schedule.h; tests and
+  /// diagnosis). Between steps.
+  void force_schedule(ForcedSchedule shape);
+  /// The plans by block name (replaces the previous ones). Policy kPlan: a block call whose tape signature differs
+  /// from its plan's, or without a plan, runs as "full" (BlockStats::planned == false). Every policy: a block call
+  /// whose signature matches its plan's follows the plan's replay schedule, others their default schedule.
   void set_plans(std::unordered_map<std::string, BlockPlan> plans);
   const std::unordered_map<std::string, BlockPlan>& plans() const { return plans_; }
+  /// Per tape signature, the order in which a step's backward first unpacked the dropped values (the first
+  /// observation; Note [Replay schedule] in schedule.h). The default schedules and the planner read it.
+  const UnpackOrders& unpack_orders() const { return orders_; }
   /// Called at the end of every block call's forward (after keep/drop is decided), on the forward thread; the
   /// view is valid only during the call. Used by the planner (runtime/auto_planner.h) to build problems and costs.
   void set_tape_observer(TapeObserver observer) { observer_ = std::move(observer); }
@@ -92,6 +99,7 @@ class Session {
   int64_t baseline_of(const std::vector<at::Tensor>& params);
   BlockContext block_context(const std::string& name);
   void collect_block_stats() noexcept;
+  void remember_order(const BlockCall& b);
   void collect_memory() noexcept;
 
   SessionOptions options_;
@@ -111,6 +119,8 @@ class Session {
   std::optional<allocator::ScopedCounter> counter_scope_;
   StepMemoryStats last_memory_;
   std::unordered_map<std::string, BlockPlan> plans_;
+  static constexpr size_t kMaxOrders = 1024;  // signatures whose unpack order is remembered
+  UnpackOrders orders_;
   TapeObserver observer_;
   std::shared_ptr<Approx> approx_;
   std::shared_ptr<WriteWatcher> watcher_;

@@ -16,6 +16,7 @@
 #include "tapesac/replay/decide.h"
 #include "tapesac/replay/graph_block.h"
 #include "tapesac/replay/preserve.h"
+#include "tapesac/replay/schedule.h"
 
 namespace tapesac::replay {
 
@@ -65,6 +66,8 @@ struct SessionOptions {
   /// The step-peak limit graph captures must respect (bytes, 0: none), also on the steps where memory_limit is
   /// switched off (a planner's measuring step): a graph's static memory stays for every later step.
   int64_t graph_memory_limit = 0;
+  /// A replay schedule shape every block call follows instead of its plan's or the default (schedule.h).
+  ForcedSchedule forced_schedule = ForcedSchedule::kNone;
   /// Device op times for the planner (capture/op_timer.h, e.g. capture::device_op_timers()); null: CPU clock.
   std::shared_ptr<capture::OpTimerFactory> op_timers;
 

@@ -4,7 +4,7 @@
 // (TAPESAC_BLOCK_STATS_FIELDS in block_stats.h, TAPESAC_APPROX_STATS_FIELDS in approx_stats.h):
 //     X(type, name, combine, "what it means")
 // The list generates the C++ struct members, a visitor over them (for_each_block_field), the step totals (the sum
-// of the kSum fields, replay/step_summary.h), the dict the bindings hand to Python (one generic loop) and the
+// of the kSum fields, the largest of the kMax fields, replay/step_summary.h), the dict the bindings hand to Python (one generic loop) and the
 // schema from which the Python package builds its BlockStats/StepStats dataclasses and their docstrings
 // (tapesac/stats.py). Units are part of the name:
 // `_ns` fields are nanoseconds in C++ and become `_ms` (milliseconds, float) in Python — the only conversion
@@ -20,8 +20,14 @@ namespace tapesac::replay {
 /// How a step combines a block-call field over its block calls.
 enum class Combine : uint8_t {
   kSum,   ///< the step reports the sum
+  kMax,   ///< the step reports the largest
   kNone,  ///< per block call only
 };
+
+/// "sum", "max" or "" (the schema's name of a Combine).
+constexpr const char* combine_name(Combine c) {
+  return c == Combine::kSum ? "sum" : c == Combine::kMax ? "max" : "";
+}
 
 /// One op's time in a timed graph launch: its tape index, its op name, nanoseconds.
 struct OpTime {

@@ -1,5 +1,5 @@
 // A step's totals over its block calls, computed once in C++ (Note [Statistics defined once] in stats_fields.h): the
-// kSum fields summed, the graph fallbacks by reason, the op-time sources, the execution records by status.
+// kSum fields summed, the kMax fields' largest, the graph fallbacks by reason, the op-time sources, the execution records by status.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,8 @@
 namespace tapesac::replay {
 
 struct StepSummary {
-  /// The kSum fields of the block calls, summed; every other field is left empty.
+  /// The kSum fields of the block calls, summed, and the kMax fields, their largest; every other field is left
+  /// empty. over_limit_bytes is the step's (Session: its measured peak over the limit).
   BlockStats totals;
   int64_t block_calls = 0;
   /// Eager graph fallbacks by reason: one per block call whose last fallback had that reason.

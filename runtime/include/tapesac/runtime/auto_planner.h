@@ -6,6 +6,10 @@
 //  * begin_step() forgets the previous step's calls; the calls observed since are what plan(), frontier() and
 //    dump_problem() work on. Problems are cached per tape signature (bounded: AutoPlannerOptions::max_problems);
 //    op costs are the per-op medians of the recent calls of a signature (planner::CostModel).
+//  * The plan covers keep masks (policy "auto") or, with AutoPlannerOptions::fixed_masks, only the replay schedules
+//    of the masks the policy chose; schedules come from the unpack orders the session observed per signature
+//    (Session::unpack_orders; Note [Replay schedule] in replay/schedule.h), and a call's working set in the peak
+//    models is its schedule's (planner/schedule.h).
 //  * plan() calibrates two peak models on the step: the additive model (planner::PeakModel) on `measured_peak`,
 //    and the sequence model (planner::SequencePeakModel) on the step's memory profile when every call replayed; the
 //    sequence model is used when valid (and kept while the calls stay the same). An infeasible limit throws
@@ -36,6 +40,15 @@ struct AutoPlannerOptions {
   size_t cost_window = 7;
   /// Plan under the sequence peak model when it could be calibrated (else always the additive model).
   bool sequence_model = true;
+  /// The policy decides what is kept ("full", op sets, callables): every call keeps the mask it ran with and only
+  /// the replay schedules are planned (planner::plan_schedules; a limit of 0 asks for the least peak).
+  bool fixed_masks = false;
+  /// Plan replay schedules from the unpack orders the session observed (planner/schedule.h); off: every call
+  /// replays its dropped values at once (the default; Runtime sets it from RuntimeOptions::schedules).
+  bool schedules = false;
+  /// Fixed masks without a limit: the schedules may keep the predicted peak this fraction above the least one any
+  /// schedules reach, at less replay time (planner::plan_schedules).
+  double least_peak_slack = 0.02;
 };
 
 /// The message of an infeasible limit: the limit, the smallest feasible step peak and what it is made of, and how
@@ -54,9 +67,10 @@ class AutoPlanner {
   /// Forgets the calls of the previous step (called when a step starts).
   void begin_step() { calls_.clear(); }
 
-  /// Plans the observed calls under `limit` bytes, calibrated on `measured_peak` bytes, and installs the plan in the
-  /// session. Returns the planner's part of PlanInfo (reserve, margin, reason and step are the caller's). Throws
-  /// tapesac::Error: kGeneric before any observed call, kMemoryLimit when no plan fits the limit.
+  /// Plans the observed calls under `limit` bytes (with fixed masks, 0: the least peak), calibrated on
+  /// `measured_peak` bytes, and installs the plan in the session. Returns the planner's part of PlanInfo (reserve,
+  /// margin, reason and step are the caller's). Throws tapesac::Error: kGeneric before any observed call,
+  /// kMemoryLimit when no plan fits the limit.
   PlanInfo plan(int64_t limit, int64_t measured_peak);
 
   /// The step-level frontier of the last step's problems with the op costs measured so far: the best plan at
@@ -77,10 +91,12 @@ class AutoPlanner {
     uint64_t signature;
     std::shared_ptr<const planner::BlockProblem> problem;
     std::vector<uint8_t> kept;
+    std::shared_ptr<const std::vector<uint8_t>> holdable;  // per value (replay::holdable)
   };
   /// The problems of the last step's calls with the op costs measured so far, the step input built from them, and
   /// what the plan that ran kept per call.
   struct Prepared {
+    std::vector<planner::UnpackOrder> orders;  // per call (empty values: none observed)
     planner::StepInput input;
     std::vector<int64_t> kept_ref, ws_ref;
     int64_t sum_kept = 0;
@@ -88,17 +104,21 @@ class AutoPlanner {
   };
 
   Prepared prepare() const;
+  planner::UnpackOrder unpack_order(const Call& c) const;
+  /// The working set of the schedule call `j` ran with in the last step (the sequence model's reference).
+  int64_t ran_working_set(size_t j, const planner::BlockProblem& p, const planner::UnpackOrder& order) const;
   planner::BlockProblem problem_with_costs(const Call& c) const;
   planner::StepProfile step_profile() const;
   planner::StepPlan plan_step(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
                               int64_t limit) const;
-  PlanInfo install(const planner::StepPlan& plan);
+  PlanInfo install(const planner::StepPlan& plan, const planner::StepInput& input);
   void observe(const replay::BlockTapeView& view);
 
   replay::Session& session_;
   AutoPlannerOptions options_;
   planner::CostModel cost_model_;
   std::unordered_map<std::string, std::shared_ptr<const planner::BlockProblem>> problems_;
+  std::unordered_map<std::string, std::shared_ptr<const std::vector<uint8_t>>> holdable_;
   std::vector<Call> calls_;
   planner::PeakModel last_model_;
   planner::SequencePeakModel seq_;

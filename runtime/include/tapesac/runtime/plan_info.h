@@ -1,4 +1,4 @@
-// What one plan of policy "auto" is, as the Python front reports it (TapeSAC.plan / TapeSAC.plans): the planner's
+// What one plan is (policy "auto": keep masks and replay schedules; other policies: replay schedules only), as the Python front reports it (TapeSAC.plan / TapeSAC.plans): the planner's
 // prediction (AutoPlanner::plan), the reserve and margin the replan policy added (Runtime), and why and when it was
 // made. for_each_plan_field visits the fields in the order of the Python dict, so the bindings convert it with one
 // loop and the keys are written once.
@@ -18,6 +18,8 @@ struct CallPlanInfo {
   double replay_cost_ns = 0;
   int64_t kept_candidates = 0;  ///< candidates the plan keeps
   int64_t candidates = 0;       ///< values the plan decides on
+  int64_t segments = 1;         ///< segments of its replay schedule (planner/schedule.h)
+  int64_t held_bytes = 0;       ///< the most bytes the schedule holds across segments
 };
 
 /// A plan of the whole step under one limit.
@@ -78,6 +80,8 @@ void for_each_call_field(C& c, F&& f) {
   f("replay_cost_ns", c.replay_cost_ns);
   f("kept_candidates", c.kept_candidates);
   f("candidates", c.candidates);
+  f("segments", c.segments);
+  f("held_bytes", c.held_bytes);
 }
 
 /// One point of the step-level frontier (AutoPlanner::frontier): the best plan under `limit_bytes`.

@@ -1,6 +1,10 @@
 // Runtime: what happens between the steps of one TapeSAC — the one object the Python front calls around a step.
 //
 // Contract.
+//  * With RuntimeOptions::schedules (policies "full", op sets, callables) the planner plans only the replay schedules
+//    (Note [Replay schedule] in replay/schedule.h): after the first step, after a step with a new tape, and after a
+//    step whose measured peak exceeded the limit (the next plan keeps the model's error below the limit); the limit
+//    is enforced from the first step on, and without a limit the schedules minimise the predicted peak.
 //  * before_step() sets the limit the step's replays enforce: policy "auto"'s measuring step (no plan yet) runs
 //    without it, so that an infeasible limit is reported by the planner with the smallest feasible one rather than
 //    by the first replay that does not fit; likewise the steps on which preserve="auto" measures its trials.
@@ -29,6 +33,11 @@ namespace tapesac::runtime {
 struct RuntimeOptions {
   /// Policy "auto": plan under memory_limit (which must then be > 0).
   bool plan = false;
+  /// Plan the replay schedules (Config.schedule="planned"; off: every block call replays its dropped values at its
+  /// first unpack). With `plan`, the auto planner plans them with the keep masks; otherwise, for the policies that
+  /// decide themselves what is kept ("full", op sets, callables), it plans only the replay schedules between
+  /// steps (AutoPlannerOptions::fixed_masks) under memory_limit, or for the least peak without one.
+  bool schedules = false;
   /// The step-peak limit in bytes (0: none).
   int64_t memory_limit = 0;
   AutoPlannerOptions planner;
@@ -52,13 +61,13 @@ class Runtime {
   void set_memory_limit(int64_t bytes);
   int64_t memory_limit() const { return limit_; }
 
-  /// Policy "auto": the plan in use (null before the first plan, after a new limit, or without a planner).
+  /// The plan in use (null before the first plan, after a new limit, or without a planner).
   const PlanInfo* plan() const { return plan_ ? &*plan_ : nullptr; }
   /// Every plan made so far, oldest first, without their per-call figures.
   const std::vector<PlanInfo>& plans() const { return plans_; }
   /// The planner's frontier (AutoPlanner::frontier). Throws tapesac::Error (kGeneric) without a planner.
   std::vector<FrontierPoint> frontier(int points) const;
-  /// The planner (null unless policy "auto").
+  /// The planner (null unless policy "auto" or RuntimeOptions::schedules).
   AutoPlanner* planner() const { return planner_.get(); }
   const ReplanPolicy& replan_policy() const { return replan_; }
   const PreservationChooser& preservation() const { return chooser_; }
@@ -70,6 +79,7 @@ class Runtime {
   replay::Session& session_;
   int64_t limit_;
   std::unique_ptr<AutoPlanner> planner_;
+  bool fixed_masks_ = false;  // the planner plans schedules only (RuntimeOptions::schedules)
   ReplanPolicy replan_;
   PreservationChooser chooser_;
   std::optional<PlanInfo> plan_;

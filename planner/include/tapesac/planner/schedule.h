@@ -1,0 +1,89 @@
+// Replay schedules as the planner models them (replay/schedule.h runs them; Note [Replay schedule] there). For a
+// block's keep mask and the order in which its backward first unpacks the dropped candidates, the schedules worth
+// choosing between: from one segment (every dropped value rebuilt at the first unpack, no recompute) to one segment
+// per value with nothing held (the least alive at once, the most recompute), each with its replay cost and the most
+// bytes the block's replays hold at once — the sequence peak model's working set ws_i (peak_model.h).
+//
+// Note [Schedule model]. Segment s starts at the first unpack of its first value. While its replay runs, alive are:
+// the rebuilt values of earlier segments whose last unpack comes later (UnpackOrder::dies_before), the values held
+// for s or later segments, and the replay's own working set (its outputs while read, its targets and what it holds
+// to the end). Its closure stops at external values, kept candidates and whatever is alive and holdable. A value is
+// held when a replay at or after its `hold_from` segment produces it and a later segment's closure reads it; it is
+// then alive from that replay to the replay of the last segment reading it (a value produced earlier than hold_from
+// is freed and recomputed by the first segment that needs it, which may then hold it). schedule_choices() starts
+// from "hold everything from the start" on the finest segments and, at the segment where the working set peaks,
+// moves one hold past it (hold_from := that segment + 1): the one that lowers the working set most per nanosecond of
+// recompute it adds, as long as the working set falls. Pure, torch-free; O(segments * (ops + reads)) per evaluation.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tapesac/planner/problem.h"
+
+namespace tapesac::planner {
+
+/// How a block's backward uses its dropped values, observed on a measuring step (replay::Session::unpack_orders).
+struct UnpackOrder {
+  /// Value ids in the order of their first unpack.
+  std::vector<int32_t> values;
+  /// Per entry: the index into `values` of the first value first-unpacked after this one's last unpack
+  /// (values.size() or more: alive to the end of the block's backward). Empty: every value lives to the end.
+  std::vector<int32_t> dies_before;
+  /// Per value of the problem: 1 when a replay may hold it (replay::holdable: at its storage's final state). Empty:
+  /// every value produced by an op.
+  std::vector<uint8_t> holdable;
+};
+
+/// One replay schedule of a keep mask and its model figures (Note [Schedule model]).
+struct ScheduleChoice {
+  /// The dropped candidates' value ids in replay order, and the index of each segment's first value (empty: one
+  /// segment).
+  std::vector<int32_t> order;
+  std::vector<int32_t> segment_begin;
+  /// What is held: `value` when a replay of a segment in [from, until) produces it, until segment `until` replayed.
+  struct Hold {
+    int32_t value = -1;
+    int32_t from = 0;
+    int32_t until = 0;
+  };
+  std::vector<Hold> holds;
+  double replay_cost_ns = 0;
+  /// The most bytes the block's replays hold at once.
+  int64_t working_set_bytes = 0;
+  /// The most bytes held across segments (values rebuilt for a later segment).
+  int64_t held_bytes = 0;
+  /// The segment whose replay makes working_set_bytes.
+  int32_t peak_segment = 0;
+
+  int32_t segments() const {
+    return order.empty() ? 0 : segment_begin.empty() ? 1 : static_cast<int32_t>(segment_begin.size());
+  }
+};
+
+struct ScheduleOptions {
+  /// Evaluations schedule_choices() may spend on its greedy (each is one simulation of the segments).
+  int32_t max_evaluations = 800;
+};
+
+/// Per value: the first segment whose replay may hold it (kNeverHold: none).
+constexpr int32_t kNeverHold = 1 << 30;
+
+/// The figures of the schedule with segments `segment_begin` (empty: one) over `order` (the dropped candidates in
+/// replay order), where value v may be held from segment hold_from[v] on (per value; empty: never; values that are
+/// not holdable never are). Throws tapesac::Error (kConfig) when `keep` is not a mask of `problem` or `order` lists a
+/// value that `keep` does not drop.
+ScheduleChoice evaluate_schedule(const BlockProblem& problem, const KeepMask& keep, const UnpackOrder& unpack,
+                                 std::vector<int32_t> order, std::vector<int32_t> segment_begin,
+                                 const std::vector<int32_t>& hold_from);
+
+/// The dropped candidates of `keep` in the order of `unpack` (those it misses last, in reverse candidate order).
+std::vector<int32_t> replay_order(const BlockProblem& problem, const KeepMask& keep, const UnpackOrder& unpack);
+
+/// The schedules of `keep` worth choosing between, ascending replay cost and strictly descending working set
+/// (Note [Schedule model]); the first costs what one segment costs (every op once): one segment, or finer
+/// segments holding what later ones read when those keep less alive (they then replace it). Never empty.
+std::vector<ScheduleChoice> schedule_choices(const BlockProblem& problem, const KeepMask& keep,
+                                             const UnpackOrder& unpack, const ScheduleOptions& options = {});
+
+}  // namespace tapesac::planner

@@ -1,0 +1,170 @@
+"""Replay schedules (Note [Replay schedule] in replay/schedule.h; Config.schedule) and the memory limit as a promise.
+
+A schedule changes when a block's dropped values are replayed, never what is computed: every schedule shape gives
+bitwise the gradients of the plain run (reference scenarios, retain_graph, several SGD steps, the emulated graph
+backend with one launch per segment). A step whose measured peak exceeds memory_limit is flagged in StepStats
+(over_limit, over_limit_bytes) and warned once through the "tapesac" logger, or the step raises MemoryLimitError;
+it is never silently over.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+import models as M
+from conftest import reference_check
+from test_reference import MATMULS, scenario
+
+SHAPES = ["hold_all", "lazy"]
+NAMES = ["mlp", "attention", "dropout", "random_ops", "inplace", "views", "multi_output", "hf_llama", "hf_qwen3",
+         "hf_qwen3_moe", "hf_qwen3_moe_eager_experts"]
+
+
+def _segmented(res) -> bool:
+    return any(b.segments > 1 for st in res.all_stats for b in st.blocks)
+
+
+@pytest.mark.parametrize("policy", [pytest.param("full", id="full"), pytest.param(MATMULS, id="save_matmuls")])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_under_a_schedule(name: str, shape: str, policy: Any) -> None:
+    s = scenario(name)
+    res = reference_check(s.make_model, s.make_inputs, policy, s.blocks, s.loss_fn, block_calls=s.block_calls,
+                          sac_kwargs={"schedule": shape})
+    if policy == "full":  # an op set may leave a block one dropped value (one segment)
+        assert _segmented(res), "no block call followed a schedule of more than one segment"
+
+
+def test_lazy_replays_per_segment_and_default_replays_once() -> None:
+    """One segment (the default) replays once per block call; 'lazy' once per segment that had anything to rebuild."""
+    s = scenario("hf_qwen3")
+    one = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, block_calls=s.block_calls)
+    lazy = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, block_calls=s.block_calls,
+                           sac_kwargs={"schedule": "lazy"})
+    assert [b.segments for b in one.stats.blocks] == [1] * s.block_calls
+    assert one.stats.replays == s.block_calls
+    assert lazy.stats.replays > 3 * s.block_calls
+    assert lazy.stats.memory.peak_bytes <= one.stats.memory.peak_bytes
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["mlp", "dropout", "hf_qwen3"])
+def test_retain_graph_two_backwards_under_a_schedule(name: str, shape: str) -> None:
+    s = scenario(name)
+
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, backward_fn=backward,
+                          block_calls=s.block_calls, sac_kwargs={"schedule": shape})
+    assert _segmented(res)
+
+
+@pytest.mark.parametrize("shape", SHAPES + ["planned"])
+@pytest.mark.parametrize("name", ["attention", "inplace", "hf_qwen3", "hf_qwen3_moe"])
+def test_three_steps_with_sgd_under_a_schedule(name: str, shape: str) -> None:
+    """'planned' plans the schedules after the first step (the least predicted peak for policy 'full')."""
+    s = scenario(name)
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, steps=3,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), block_calls=s.block_calls,
+                          sac_kwargs={"schedule": shape})
+    assert [st.step for st in res.all_stats] == [1, 2, 3]
+    if shape != "planned":
+        assert _segmented(res)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["mlp", "hf_qwen3"])
+def test_emulated_graph_launches_once_per_segment(name: str, shape: str) -> None:
+    s = scenario(name)
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, steps=3,
+                          block_calls=s.block_calls, sac_kwargs={"schedule": shape, "backend": "emulated_graph"})
+    last = res.all_stats[-1]
+    assert last.graph_replays > 0
+    if shape == "lazy":
+        assert last.graph_replays > s.block_calls  # several launches of one block call's graph
+
+
+def test_unknown_schedule_is_a_config_error() -> None:
+    import tapesac
+
+    with pytest.raises(tapesac.ConfigError, match="schedule"):
+        tapesac.TapeSAC(M.Stack([M.MLPBlock()]), blocks="blocks.*", schedule="eager")
+
+
+# The limit as a promise: every step is within the limit, or flagged, or raises MemoryLimitError.
+
+def _steps_under_limit(policy: Any, limit_fraction: float, schedule: str = "one_segment", steps: int = 4):
+    """Runs `steps` steps of small Qwen3 (gradients set to None before each, so that every step starts alike) under
+    memory_limit = limit_fraction x the measured peak of 'full'; returns (limit, per-step stats, error or None)."""
+    import tapesac
+
+    def model_and_steps(**kw):
+        torch.manual_seed(0)
+        model = M.hf_qwen3(3)
+        sac = tapesac.TapeSAC(model, blocks="model.layers.*", **kw)
+        return model, sac
+
+    def one_step(model, sac):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1000)
+        with sac.step():
+            M.hf_loss(model, torch.randint(0, M.HF_VOCAB, (M.B, M.T))).backward()
+        return sac.last_step
+
+    model, sac = model_and_steps(policy="full")
+    ref_peak = max(one_step(model, sac).memory.peak_bytes for _ in range(2))
+    limit = int(ref_peak * limit_fraction)
+    model, sac = model_and_steps(policy=policy, memory_limit=limit, schedule=schedule)
+    error = None
+    try:
+        for _ in range(steps):
+            one_step(model, sac)
+    except tapesac.MemoryLimitError as e:  # raised in a replay, or by the planner after a step (which is recorded)
+        error = e
+    return limit, list(sac.history), error
+
+
+POLICIES_UNDER_LIMIT = [pytest.param("full", id="full"), pytest.param(MATMULS, id="save_matmuls"),
+                        pytest.param(lambda op: op == "aten::mm", id="callable"), pytest.param("auto", id="auto")]
+
+
+@pytest.mark.parametrize("policy", POLICIES_UNDER_LIMIT)
+@pytest.mark.parametrize("fraction", [0.97, 0.5])
+def test_limit_is_met_flagged_or_raised(policy: Any, fraction: float, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="tapesac"):
+        limit, stats, error = _steps_under_limit(policy, fraction)
+    over = [st for st in stats if st.memory.peak_bytes > limit]
+    for st in stats:
+        assert st.over_limit == (st.memory.peak_bytes > limit), (st.step, st.memory.peak_bytes, limit)
+        assert st.over_limit_bytes == max(0, st.memory.peak_bytes - limit)
+    warnings = [r for r in caplog.records if r.name == "tapesac" and "over memory_limit" in r.getMessage()]
+    assert len(warnings) == (1 if over else 0)
+    if error is not None:
+        assert "bytes" in str(error)
+    assert error is not None or len(stats) == 4
+
+
+def test_a_limit_below_every_schedule_raises_naming_a_peak() -> None:
+    """policy 'full' with schedule 'planned': a limit far below what any schedule reaches raises MemoryLimitError
+    (in the first replay that cannot fit, or from the planner) naming the bytes that would be needed."""
+    limit, stats, error = _steps_under_limit("full", 0.5, schedule="planned")
+    assert error is not None
+    assert "at least" in str(error)
+
+
+@pytest.mark.parametrize("policy", ["full", "auto"])
+def test_planned_schedules_go_below_the_one_segment_peak(policy: str) -> None:
+    """A limit 1.5% below the one-segment peak of 'full' (today's floor, also auto's without schedules): with
+    schedule='planned' the first step is over it (flagged), the planned steps after it are within it."""
+    limit, stats, error = _steps_under_limit(policy, 0.985, schedule="planned")
+    assert error is None
+    assert stats[0].over_limit
+    assert not stats[-1].over_limit and not stats[-2].over_limit
+    assert stats[-1].memory.peak_bytes <= limit < stats[0].memory.peak_bytes
+    assert max(b.segments for b in stats[-1].blocks) > 1

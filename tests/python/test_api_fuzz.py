@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import models as M
 from robust_helpers import (assert_exact_step, assert_hooks_unchanged, assert_no_saved_tensor_hooks,
+                            assert_no_tapesac_hooks,
                             hook_snapshot, small_input, small_stack)
 from conftest import assert_same_grads, assert_same_tensor
 
@@ -122,6 +123,8 @@ def test_random_constructor_arguments(data, invalid, omit) -> None:
     else:
         event("constructor accepted" + (" an invalid value" if invalid - omit else ""))
     assert_hooks_unchanged(model, before, "after the constructor")
+    if sac is None:  # a constructor that raised left nothing behind, not even the between-steps watch
+        assert_no_tapesac_hooks(model, "after a constructor that raised")
     if sac is not None:
         assert "model" not in invalid, f"TapeSAC accepted {chosen['model'][0]} as the model"
         exact = kwargs.get("approx") is None  # an accepted Approx is not exact by design
@@ -132,6 +135,7 @@ def test_random_constructor_arguments(data, invalid, omit) -> None:
             sac.close()
             sac.close()
     assert_hooks_unchanged(model, before, "after close()")
+    assert_no_tapesac_hooks(model, "after close()")
     assert_no_saved_tensor_hooks("after the example")
     assert_exact_step(None, model, ref=ref, when="a fresh TapeSAC after the example")
 
@@ -402,6 +406,7 @@ def test_random_call_orders(actions: list[str], policy: str, contract: str) -> N
     finally:
         h.sac.close()
     assert_hooks_unchanged(h.model, h.before, f"after close following {h.log}")
+    assert_no_tapesac_hooks(h.model, f"after close following {h.log}")
     assert_no_saved_tensor_hooks(f"after close following {h.log}")
     assert_exact_step(None, h.model, ref=h.ref, when=f"a fresh TapeSAC after {h.log}")
 

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import models as M
 from robust_helpers import (assert_exact_step, assert_hooks_unchanged, assert_no_saved_tensor_hooks,
+                            assert_no_tapesac_hooks,
                             hook_snapshot, small_input)
 
 D = 16
@@ -252,6 +253,7 @@ def test_fault_leaves_no_state_and_next_step_is_exact(fault: Fault, policy: Any)
     finally:
         sac.close()
     assert_hooks_unchanged(model, before, f"after close following {fault.name}")
+    assert_no_tapesac_hooks(model, f"after close following {fault.name}")
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])

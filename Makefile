@@ -1,5 +1,6 @@
 # tapesac developer / CI entry points.  `make test` is what CI runs (.ci/run).
-#   setup         pinned dev torch, test deps, gtest + ccache (idempotent; a few seconds when all is there)
+#   setup         torch (an installed torch >= 2.11 is kept; the pinned one only when none is), test deps, gtest +
+#                 ccache (idempotent; a few seconds when all is there)
 #   build         build + install the package into $(PYTHON) (incremental; skipped when no input changed)
 #   cpp-test      gtest suites through ctest in build/cpp (label cpu)
 #   py-test       pytest tests/python
@@ -10,6 +11,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 TORCH_VERSION ?= 2.14.1
+TORCH_MIN ?= 2.11
 JOBS ?= 2
 CPP_BUILD_DIR ?= build/cpp
 TORCH_CUDA_ARCH_LIST ?= 9.0
@@ -36,14 +38,19 @@ BUILD_KEY := $(shell command -v $(PYTHON)) $(BUILD_INPUTS)
 
 .PHONY: setup build cpp-test py-test test demo bench-record clean FORCE
 
+# torch: any installed torch >= $(TORCH_MIN) is kept (the GPU machine runs 2.11, CI and development 2.14.1); the pinned
+# $(TORCH_VERSION) is installed only when there is none, or an older one.
 setup:
-	@if ! $(PYTHON) -c 'import torch; assert torch.__version__.startswith("$(TORCH_VERSION)")' >/dev/null 2>&1; then \
-		echo "setup: installing torch==$(TORCH_VERSION)"; \
+	@if $(PYTHON) -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); \
+			sys.exit(v < tuple(int(x) for x in "$(TORCH_MIN)".split(".")))' >/dev/null 2>&1; then \
+		echo "setup: keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	else \
+		echo "setup: no torch >= $(TORCH_MIN): installing torch==$(TORCH_VERSION)"; \
 		$(PIP) install "torch==$(TORCH_VERSION)"; \
 	fi
 	@missing=""; \
-	for spec in transformers:transformers pytest:pytest hypothesis:hypothesis matplotlib:matplotlib numpy:numpy \
-	            scikit-build-core:scikit_build_core pybind11:pybind11; do \
+	for spec in transformers:transformers accelerate:accelerate tqdm:tqdm pytest:pytest hypothesis:hypothesis \
+	            matplotlib:matplotlib numpy:numpy scikit-build-core:scikit_build_core pybind11:pybind11; do \
 		pkg=$${spec%%:*}; mod=$${spec##*:}; \
 		$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$$mod') is None)" \
 			|| missing="$$missing $$pkg"; \

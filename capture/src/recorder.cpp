@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Type.h>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::capture {
 namespace {
@@ -40,19 +43,16 @@ bool contains_tensor(const c10::IValue& v) {
   return false;
 }
 
+// The reason a recording failed, never empty: torch's python_error (a Python exception raised below the dispatcher)
+// carries its message only once persisted, which needs the GIL, so its what() is "" here.
+std::string reason_of(const std::exception& e) {
+  const char* what = e.what();
+  if (what != nullptr && *what != '\0') return what;
+  return "an exception without a message (" + c10::demangle(typeid(e).name()) +
+         "; a Python error raised inside a tensor subclass or a dispatch mode)";
+}
+
 }  // namespace
-
-const void* storage_key(const at::Tensor& t) {
-  if (!t.has_storage()) return t.unsafeGetTensorImpl();
-  return t.storage().unsafeGetStorageImpl();
-}
-
-at::Tensor detached_alias(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto copy = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false);
-  return at::Tensor(std::move(copy));
-}
 
 TensorMeta meta_of(const at::Tensor& t) {
   TensorMeta m;
@@ -311,6 +311,15 @@ ValueId Recorder::value_for_input(const at::Tensor& t) {
 }
 
 void Recorder::add_input(Frame& f, const at::Tensor& t, int arg, int elem) {
+  // Note [Python tensor subclasses]: a tensor whose key set holds Python (a FakeTensor while torch.compile traces,
+  // a FunctionalTensor, a __torch_dispatch__ subclass such as DTensor) would answer the detach() below, and every
+  // replay, by running Python inside this callback. Its op is not recorded: the block keeps its tensors, and says why.
+  if (t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    throw std::runtime_error(
+        "an input is a tensor subclass that dispatches to Python (a FakeTensor: torch.compile traced the block inside "
+        "the step; or a FunctionalTensor, or a __torch_dispatch__ subclass such as DTensor), which tapesac does not "
+        "record. Compile before the first step, or compile submodules inside the blocks");
+  }
   const ValueId v = value_for_input(t);
   const auto& unread = f.info->bytes_unread_arg;
   const bool reads_bytes = !(static_cast<size_t>(arg) < unread.size() && unread[static_cast<size_t>(arg)]);
@@ -449,7 +458,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
     composite_ = false;
     info = should_record(fn);
   } catch (const std::exception& e) {
-    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
   }
   if (info == nullptr) {
     call_stack_.push_back(0);
@@ -528,7 +537,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
     }
   } catch (const std::exception& e) {
     busy_ = false;
-    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
     f.info = nullptr;
   }
 }
@@ -607,6 +616,12 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
         rec.outputs.push_back(-1);
         return;
       }
+      if (t.unsafeGetTensorImpl()->is_python_dispatch()) {  // Note [Python tensor subclasses]
+        throw std::runtime_error(
+            "an output is a tensor subclass that dispatches to Python (a FakeTensor: torch.compile traced the block "
+            "inside the step; or a FunctionalTensor, or a __torch_dispatch__ subclass), which tapesac does not "
+            "record. Compile before the first step, or compile submodules inside the blocks");
+      }
       cuda = cuda || t.is_cuda();
       const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
       StorageId s = storage_id_.find(key);
@@ -671,7 +686,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     return index;
   } catch (const std::exception& e) {
     busy_ = false;
-    error_ = std::string("recording ") + fn.name() + " failed: " + e.what();
+    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
   }
   return -1;
 }

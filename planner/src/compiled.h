@@ -64,24 +64,26 @@ struct ItemSolution {
 };
 
 /// Heuristic best solution with bytes <= budget (budget beyond base_bytes, >= 0); `chain` / `hull`: drop_chain(m)
-/// / lagrangian_hull(m) when the caller has them. select.cpp.
+/// / lagrangian_hull(m) when the caller has them. select_greedy.cpp.
 ItemSolution heuristic_solve(const Compiled& m, int64_t budget, const HeuristicOptions& options,
                              const std::vector<ItemSolution>* chain = nullptr,
                              const std::vector<ItemSolution>* hull = nullptr);
 /// The vertices of the concave hull of the (bytes, saved) frontier, by minimum cuts (Note [Lagrangian points] in
-/// select.cpp), ascending bytes; exact unless items share storage. select.cpp.
+/// select_hull.cpp), ascending bytes; exact unless items share storage. select_hull.cpp.
 std::vector<ItemSolution> lagrangian_hull(const Compiled& m);
-/// `start` improved by the exact-neighbourhood search with `size` items (Note [Exact neighbourhoods]). select.cpp.
+/// `start` improved by the exact-neighbourhood search with `size` items (Note [Exact neighbourhoods]).
+/// select_exact.cpp.
 ItemSolution improve_neighbourhood(const Compiled& m, int64_t budget, const ItemSolution& start, int32_t size);
 /// `start` plus the greedy fill (gain per byte) up to `budget`, then the exact-neighbourhood search with
-/// `neighbourhood` items (0: none). select.cpp.
+/// `neighbourhood` items (0: none). select_greedy.cpp.
 ItemSolution fill_from(const Compiled& m, const ItemSolution& start, int64_t budget, int32_t neighbourhood);
 /// `start` less the items that lose least per freed byte until it fits `budget`, then the greedy fill and the
-/// exact-neighbourhood search. select.cpp.
+/// exact-neighbourhood search. select_greedy.cpp.
 ItemSolution trim_from(const Compiled& m, const ItemSolution& start, int64_t budget, int32_t neighbourhood);
-/// Every state of the greedy drop chain, from all items kept to none kept. select.cpp.
+/// Every state of the greedy drop chain, from all items kept to none kept. select_greedy.cpp.
 std::vector<ItemSolution> drop_chain(const Compiled& m);
-/// Optimal solution with bytes <= budget (>= 0); requires n_items() <= 64. select.cpp.
+/// Optimal solution with bytes <= budget (>= 0); requires n_items() <= 64 (Note [Branch and bound]).
+/// select_exact.cpp.
 ItemSolution exact_solve(const Compiled& m, int64_t budget, const ItemSolution& incumbent);
 
 }  // namespace tapesac::planner::detail

@@ -5,7 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings.h"
-#include "tapesac/capture/recorder.h"
+#include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
 #include "tapesac/replay/graph_emulation.h"
 #include "tapesac/replay/session.h"

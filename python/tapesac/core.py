@@ -1,10 +1,13 @@
 """The TapeSAC front: the object a user makes, and ``sac.step()``, the context manager around one training step.
 
-Contract: ``TapeSAC(model, ...)`` never edits the model (its code, attributes or ``state_dict`` keys). Hooks exist
-only inside ``with sac.step():`` and are removed in ``finally`` — also when the step raised. Everything that runs
-per op or per saved tensor is C++ (``tapesac._C``); this module runs per step. Its parts: the options (config.py),
-where tapesac applies (blocks.py), policies (policy.py), the step's hooks (hooks.py), statistics (stats.py), files
-(logs.py).
+Contract: ``TapeSAC(model, ...)`` never edits the model (its code, attributes or ``state_dict`` keys). The step's
+hooks exist only inside ``with sac.step():`` and are removed in ``finally`` — also when the step raised; between
+steps only the conflict watch (conflicts.py: one forward hook per block that never changes what a block computes)
+and, after ``sac.attach(...)``, the step-free mode's hooks (attach.py) remain, until ``close()``. A step context that is abandoned (entered, never exited, then garbage-collected) is ended with a
+warning; entering a step while one is open raises. Everything that runs per op or per saved tensor is C++
+(``tapesac._C``); this module runs per step. Its parts: the options (config.py), where tapesac applies (blocks.py),
+policies (policy.py), the step's hooks (hooks.py), statistics (stats.py), files (logs.py), warnings (log.py,
+conflicts.py), the step-free mode (attach.py).
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ import contextlib
 import inspect
 import threading
 import time
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from . import _C
-from .blocks import is_compiled, model_device, resolve_backend, resolve_blocks
+from .attach import Attachment, check_not_attached
+from .blocks import model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc
+from .conflicts import Conflicts
 from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
+from .log import Once, logger
 from .logs import StepLog
 from .memory import MemoryStats, parse_memory_limit
 from .policy import OpSetPolicy, parse_policy
@@ -100,7 +105,6 @@ class TapeSAC:
         self.backend = resolve_backend(cfg.backend, self._device)
         self._model = model
         self._blocks = resolve_blocks(model, cfg.blocks)
-        self._warn_compiled()
         self._policy_label, session_policy, save_op = parse_policy(policy)
         self._save_op = save_op
         check = cfg.contract != "off"
@@ -123,17 +127,11 @@ class TapeSAC:
         self._history: collections.deque[StepStats] = collections.deque(maxlen=HISTORY_STEPS)
         self._closed = False
         self._warned_unmatched = False
-
-    def _warn_compiled(self) -> None:
-        compiled = [n for n, m in self._blocks if is_compiled(m)]
-        if compiled:
-            warnings.warn(
-                f"tapesac: block(s) {compiled[:4]}{'...' if len(compiled) > 4 else ''} are torch.compile'd: a "
-                f"compiled forward runs as one opaque graph that tapesac cannot replay, so everything it saves is "
-                f"kept (exact, but no memory is saved). Apply tapesac to the uncompiled blocks (compile submodules "
-                f"inside them, or other parts of the model) to checkpoint them.",
-                stacklevel=3,
-            )
+        self._in_step = False
+        self._once = Once()
+        self._attachment: Attachment | None = None
+        # Last: the conflict checks warn about this model and its blocks, and watch them between steps.
+        self._conflicts = Conflicts(model, self._blocks, self._session)
 
     # -- properties -------------------------------------------------------------------------------------------
     @property
@@ -158,6 +156,11 @@ class TapeSAC:
         return self._log.last_records()
 
     @property
+    def in_step(self) -> bool:
+        """True while a step is open (``with sac.step():``, or between the start and end of an attached step)."""
+        return self._in_step
+
+    @property
     def approx(self) -> Approx | None:
         """The approximation in use (None: exact replay)."""
         return self._approx
@@ -173,28 +176,45 @@ class TapeSAC:
             same = "the same" if active is self else "another"
             raise TapeSACError(
                 f"sac.step() entered while a step of {same} TapeSAC is open on this thread; steps cannot nest. "
-                f"Finish the open `with sac.step():` block first."
+                f"Finish the open `with sac.step():` block first (a trainer callback must exit each step it enters, "
+                f"after its backward: tapesac.integrations has callbacks for HF Trainer and Lightning, and "
+                f"sac.attach(optimizer) delimits steps without a `with` block)."
             )
         params = [p for p in self._model.parameters()] + [b for b in self._model.buffers()]
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
+        self._conflicts.before_step()
         self._runtime.before_step()  # the step's enforced limit (none while measuring)
         self._session.begin_step(params)
         _thread_state.active = self
+        self._in_step = True
         start = time.perf_counter()
+        abandoned = False
         try:
             self._hooks.install()
             yield self
+        except GeneratorExit:
+            abandoned = True  # closed without __exit__: garbage-collected (or closed) while the step was open
+            raise
         finally:
             self._hooks.remove()
             self._session.end_step()
             _thread_state.active = None
+            self._in_step = False
             self._steps += 1
             self._last = self._collect(time.perf_counter() - start)
             self._history.append(self._last)
+            self._conflicts.after_step(self._last)
             self._warn_unmatched()
             self._log.write_step(self._last, self._get_timeline)
             self._log.write_records(self._steps, self._session)
+            if abandoned:
+                logger.warning(
+                    f"tapesac: the context of step {self._steps} was abandoned: sac.step() was entered and never "
+                    f"exited, and the step ended only when Python collected the context (a later step, the plan and "
+                    f"the statistics may have been wrong meanwhile). Exit every step you enter: `with sac.step():` "
+                    f"around forward and backward, or __exit__ after the backward in a callback; or let tapesac "
+                    f"delimit the steps (sac.attach(optimizer), tapesac.integrations).")
         # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
         self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)
 
@@ -220,7 +240,8 @@ class TapeSAC:
         blocks = tuple(block_stats_from(b) for b in self._session.last_stats())
         for b in blocks:
             if b.capture_error:
-                warnings.warn(f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept", stacklevel=4)
+                self._once.warning(("capture", b.name, b.capture_error),
+                                   f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept")
         raw = self._session.last_memory(timeline=False)  # the timeline is converted on demand (_get_timeline)
         cuda_peak = None
         if self._device.type == "cuda":
@@ -246,12 +267,10 @@ class TapeSAC:
         unmatched = self._save_op.unmatched()
         if unmatched:
             self._warned_unmatched = True
-            warnings.warn(
+            logger.warning(
                 f"tapesac: policy entries {unmatched!r} matched no op whose output a block saved for backward, so "
                 f"they keep nothing; check the names (ops are named as autograd sees them, e.g. 'aten::mm', "
-                f"'aten::addmm', 'aten::bmm'; tapesac.record_ops(block, *inputs) lists a block's ops)",
-                stacklevel=4,
-            )
+                f"'aten::addmm', 'aten::bmm'; tapesac.record_ops(block, *inputs) lists a block's ops)")
 
     @property
     def plan(self) -> dict[str, Any] | None:
@@ -304,10 +323,24 @@ class TapeSAC:
         return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._get_timeline(),
                                        total_steps=self._steps)
 
+    def attach(self, optimizer: torch.optim.Optimizer | None = None) -> Attachment:
+        """The step-free mode, for code that cannot wrap its step in ``with sac.step():``: a step starts at the first
+        block forward (with gradients) and ends at the next ``optimizer.step()`` — or at ``end_step()`` on the
+        returned Attachment when ``optimizer`` is None. A backward that reaches tensors of a step that already ended
+        raises TapeSACError. ``detach()`` (or ``close()``, or leaving ``with sac.attach(opt):``) ends it."""
+        if self._closed:
+            raise TapeSACError("this TapeSAC was closed; create a new one to train with tapesac again")
+        check_not_attached(self)
+        self._attachment = Attachment(self, optimizer)
+        return self._attachment
+
     def close(self) -> None:
         """Ends any open step and releases the runtime; the model is left exactly as it was."""
         if self._closed:
             return
+        if self._attachment is not None:
+            self._attachment.detach()
+        self._conflicts.close()
         self._hooks.close_open_blocks()
         self._get_timeline()  # report() after close() still shows the last step's timeline
         self._session.shutdown()

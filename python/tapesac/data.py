@@ -6,8 +6,12 @@
 #   call), else `<repo>/../shared/data/austen` where <repo> is the repository root found from this file's
 #   location and from the current directory. It returns None when nothing is found; `AustenData` raises
 #   `CorpusNotFoundError` (a FileNotFoundError) listing every place it looked.
-# - Split (shared/data/README.md): train = emma, mansfieldpark, northangerabbey, prideprejudice,
-#   sensesensibility; validation = persuasion. Texts are held as uint8 tensors of their UTF-8 bytes.
+# - The files: Jane Austen's six novels as plain UTF-8 text, one per novel (emma.txt, mansfieldpark.txt,
+#   northangerabbey.txt, persuasion.txt, prideprejudice.txt, sensesensibility.txt; about 4 MB). Public domain
+#   (Project Gutenberg's texts); Debian's r-cran-janeaustenr package ships them as R data. The repository keeps a
+#   copy beside it in shared/data/austen (its README gives the checksums); the wheel does not ship them.
+# - Split: train = emma, mansfieldpark, northangerabbey, prideprejudice, sensesensibility; validation =
+#   persuasion. Texts are held as uint8 tensors of their UTF-8 bytes.
 # - ByteTokenizer: ids 0..255 are bytes, 256/257/258 are BOS/EOS/PAD; vocab_size = 259. decode() drops
 #   the special ids and replaces invalid UTF-8.
 # - Batches: int64 `input_ids` of shape [batch_size, seq_len], windows of raw bytes that never cross a
@@ -243,8 +247,10 @@ class AustenData(TextData):
             raise CorpusNotFoundError(
                 "the Austen corpus was not found; expected a directory holding "
                 f"{', '.join(AUSTEN_TRAIN + AUSTEN_VAL)}. Looked in:\n  {looked}\n"
-                f"Fix: pass its directory explicitly, or set {CORPUS_ENV}=/path/to/austen "
-                "(shared/data/README.md says where the files come from)."
+                f"Fix: pass its directory explicitly (demo: --corpus DIR), or set {CORPUS_ENV}=/path/to/austen. "
+                "The files are Jane Austen's six novels as plain UTF-8 text (public domain: Project Gutenberg's "
+                "texts; Debian's r-cran-janeaustenr package ships them as R data), one file per novel named as above "
+                "(the top of tapesac/data.py, installed with tapesac, says more)."
             )
         self.root = found
         super().__init__(

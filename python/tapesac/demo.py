@@ -1,11 +1,13 @@
 # tapesac.demo — train a tiny Qwen3 on Jane Austen under tapesac and show what it keeps, drops and replays.
 #
 # Contract:
-# - `main(argv=None) -> int` (also `python -m tapesac demo ...` and `python -m tapesac.demo ...`): builds
+# - `tapesac demo [options]` (cli.py; `add_arguments(parser)`, `run(args) -> int`; `main(argv)` runs it through the
+#   CLI, as do `python -m tapesac demo ...` and `python -m tapesac.demo ...`): builds
 #   tiny_qwen3 (random weights, byte vocabulary 259) and trains it with AdamW on AustenData (five books;
-#   persuasion.txt held out). When the Austen corpus is not found (and no --corpus was given) it says so
-#   and trains on Debian's licence texts (tapesac.data.license_corpus) instead; when that is missing too it
-#   fails with both messages.
+#   persuasion.txt held out). When the Austen corpus is not found (and no --corpus was given) it warns on
+#   stderr (the tapesac logger; the message says what the files are and where to get them) and trains on
+#   Debian's licence texts (tapesac.data.license_corpus) instead; when that is missing too it fails with both
+#   messages.
 # - Every training step runs as
 #       with sac.step(): loss = model(input_ids=x, labels=x).loss; loss.backward()
 #   under tapesac.TapeSAC(model, blocks="model.layers.*", policy=--policy); the optimizer steps outside.
@@ -16,7 +18,9 @@
 # - Output: a header (versions, threads, model size, corpus, policy), one line per step (loss, step time
 #   including the optimizer, kept/dropped MiB, ops recorded/replayed from sac.last_step), validation
 #   loss / perplexity / bits per byte on persuasion before and after training (torch.no_grad, no tapesac),
-#   a summary (median step time over steps 2.., first vs last loss) and sac.report().pretty().
+#   a summary (the median step: forward and backward, the `with sac.step()` block, over steps 2.. —
+#   report.median_of_steps, the figure `tapesac report` prints for the same run's log; first vs last loss)
+#   and sac.report().pretty().
 #   `--json PATH` writes the same numbers, with the environment, as JSON.
 # - Deterministic: --seed fixes the weights and the batch stream; the global RNG is seeded with it too.
 from __future__ import annotations
@@ -25,7 +29,6 @@ import argparse
 import copy
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -35,9 +38,12 @@ from typing import Any, Sequence
 import torch
 
 from tapesac.data import AustenData, CorpusNotFoundError, TextData, license_corpus
+from tapesac.log import logger
 from tapesac.models import param_count, tiny_qwen3
 
-__all__ = ["ExactnessError", "build_parser", "main"]
+__all__ = ["ExactnessError", "add_arguments", "build_parser", "main", "run"]
+
+DESCRIPTION = "Train a tiny Qwen3 on Jane Austen (byte-level) under tapesac selective checkpointing."
 
 MiB = 1024.0 * 1024.0
 
@@ -47,10 +53,12 @@ class ExactnessError(AssertionError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m tapesac demo",
-        description="Train a tiny Qwen3 on Jane Austen (byte-level) under tapesac selective checkpointing.",
-    )
+    p = argparse.ArgumentParser(prog="tapesac demo", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
     p.add_argument(
         "--policy",
@@ -74,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help='step-peak limit for policy "auto", e.g. "40MiB" or "90%%"')
     p.add_argument("--log", default=None, metavar="PATH", help="append tapesac's per-step telemetry (JSON lines)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write the last step's memory plot (PNG)")
-    return p
 
 
 def _parse_policy(text: str) -> Any:
@@ -93,13 +100,12 @@ def _load_data(args: argparse.Namespace) -> TextData:
     except CorpusNotFoundError as austen_err:
         if args.corpus is not None:
             raise  # an explicit --corpus that is wrong is an error, not a reason to train on something else
-        print(f"warning: {austen_err}")
         try:
             data = license_corpus(seq_len=args.seq, batch_size=args.batch, seed=args.seed)
         except CorpusNotFoundError as fallback_err:
             raise CorpusNotFoundError(f"{austen_err}\nand the fallback failed too: {fallback_err}") from None
-        print(f"falling back to the licence texts in {data.source} (Debian base-files); losses are not "
-              "comparable with Austen runs")
+        logger.warning(f"tapesac demo: {austen_err}\nFalling back to the licence texts in {data.source} (Debian "
+                       f"base-files); losses are not comparable with Austen runs.")
         return data
 
 
@@ -166,27 +172,20 @@ def _validate(model: torch.nn.Module, batches: Sequence[torch.Tensor]) -> dict[s
 
 
 def _environment() -> dict[str, Any]:
-    import transformers
+    """The benchmarks' environment record (versions, CPU, threads) with the provenance of the tapesac that ran."""
+    from tapesac.bench.harness import environment
 
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu,
-        "cuda": torch.version.cuda,
-        "platform": platform.platform(),
-    }
+    return environment()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """``tapesac demo argv...`` (one-line errors; see tapesac.cli)."""
+    from tapesac.cli import run_module
+
+    return run_module("demo", argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
     heads = args.heads if args.heads is not None else max(1, args.hidden // 32)
@@ -194,17 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy = _parse_policy(args.policy)
 
     import tapesac
+    from tapesac.report import median_of_steps
 
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    try:
-        data = _load_data(args)
-    except CorpusNotFoundError as e:
-        print(f"tapesac demo: {e}", file=sys.stderr)
-        return 2
+    data = _load_data(args)  # CorpusNotFoundError: a user error (one line, exit status 2)
     model = tiny_qwen3(
         vocab_size=data.vocab_size,
         hidden_size=args.hidden,
@@ -217,12 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # The reference copy is taken before TapeSAC sees the model, so nothing of tapesac can be copied along.
     ref_model = copy.deepcopy(model) if not (args.no_sac or args.no_check) else None
-    try:
-        sac = None if args.no_sac else tapesac.TapeSAC(
-            model, blocks="model.layers.*", policy=policy, memory_limit=args.memory_limit, log=args.log)
-    except tapesac.ConfigError as e:
-        print(f"tapesac demo: {e}", file=sys.stderr)
-        return 2
+    sac = None if args.no_sac else tapesac.TapeSAC(
+        model, blocks="model.layers.*", policy=policy, memory_limit=args.memory_limit, log=args.log)
     env = _environment()
     policy_text = "off (--no-sac)" if args.no_sac else (
         ",".join(sorted(policy)) if isinstance(policy, frozenset) else str(policy))
@@ -255,10 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if sac is None:
                 loss = model(input_ids=x, labels=x).loss
                 loss.backward()
+                fb_ms = (time.perf_counter() - t0) * 1e3
             else:
                 with sac.step():
                     loss = model(input_ids=x, labels=x).loss
                     loss.backward()
+                fb_ms = sac.last_step.step_ms  # the same region, timed by tapesac
             if ref is not None:
                 # Outside the timed region: the check compares before the optimizer touches anything.
                 t_check = time.perf_counter()
@@ -268,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             ms = (time.perf_counter() - t0) * 1e3
-            rec: dict[str, Any] = {"step": step, "loss": loss.item(), "ms": ms}
+            rec: dict[str, Any] = {"step": step, "loss": loss.item(), "ms": ms, "forward_backward_ms": fb_ms}
             if sac is not None:
                 st = sac.last_step
                 rec.update(kept_bytes=st.kept_bytes, dropped_bytes=st.dropped_bytes, ops_recorded=st.ops_recorded,
@@ -284,14 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise FloatingPointError(f"loss became {rec['loss']} at step {step}; try a smaller --lr")
 
         val_after = _validate(model, val_batches)
-        times = [r["ms"] for r in records[1:]] or [records[0]["ms"]]
-        median_ms = statistics.median(times)
+        # The forward and backward of each step (the `with sac.step()` block): the figure and the median that
+        # `tapesac report` prints for this run's --log.
+        median_ms = median_of_steps([r["forward_backward_ms"] for r in records])
         first, last = records[0]["loss"], records[-1]["loss"]
         print(f"validation after training: loss {val_after['loss']:.4f}, perplexity {val_after['perplexity']:.2f}, "
               f"{val_after['bits_per_byte']:.3f} bits/byte ({val_after['batches']} batches of {data.val_label})")
-        print(f"summary: median step {median_ms:.1f} ms over {len(times)} step(s)"
-              f"{' (step 1 excluded: warm-up)' if len(records) > 1 else ''}; train loss {first:.4f} -> {last:.4f}; "
-              f"val loss {val_before['loss']:.4f} -> {val_after['loss']:.4f}")
+        print(f"summary: median step {median_ms:.1f} ms (forward and backward; "
+              f"{'steps 2.., step 1 is the warm-up' if len(records) > 1 else 'one step'}); train loss {first:.4f} -> "
+              f"{last:.4f}; val loss {val_before['loss']:.4f} -> {val_after['loss']:.4f}")
         report = None
         if sac is not None:
             report = sac.report()

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import ConfigError
+from .plotting import pyplot
 
 __all__ = ["Frontier"]
 
@@ -43,13 +43,7 @@ class Frontier:
         return "\n".join(lines)
 
     def plot(self, path: str | Path, extra: Sequence[dict[str, Any]] = (), title: str | None = None) -> Path:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as e:  # pragma: no cover
-            raise ConfigError("Frontier.plot needs matplotlib (pip install matplotlib)") from e
+        plt = pyplot("Frontier.plot")
         fig, ax = plt.subplots(figsize=(8, 5.5))
         if self.planned:
             ax.plot([p["predicted_peak_bytes"] / 2**20 for p in self.planned],

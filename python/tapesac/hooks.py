@@ -34,6 +34,11 @@ class StepHooks:
             h.remove()
         self.close_open_blocks()
 
+    def open_block(self, name: str, module: nn.Module) -> None:
+        """Opens `module`'s block call now, for a step that starts inside that block's forward pre-hooks
+        (sac.attach): torch gathered the call's pre-hooks before install() added this block's."""
+        self._pre_hook(name)(module, (), {})
+
     def close_open_blocks(self) -> None:
         while self._open:
             self._close_top_block()

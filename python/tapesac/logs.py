@@ -2,19 +2,20 @@
 timeline on a few steps) and the execution records (``TapeSAC(records=path)``: one line per replayed value).
 
 Both files are opened for appending when the TapeSAC is made (a bad path fails there, with ConfigError) and
-written at the end of every step, in the step's ``finally``: a write error is a warning, never an exception that
-would mask the step's own. Records are converted from the C++ session only when a file or ``last_records`` asks.
+written at the end of every step, in the step's ``finally``: a write error is a warning (the ``tapesac`` logger),
+never an exception that would mask the step's own. Records are converted from the C++ session only when a file or
+``last_records`` asks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .log import logger
 from .stats import SCHEMA_VERSION, as_dict
 
 __all__ = ["StepLog", "TIMELINE_STEPS", "TIMELINE_POINTS"]
@@ -77,4 +78,4 @@ class StepLog:
                 for line in lines:
                     f.write(json.dumps(line, sort_keys=True) + "\n")
         except OSError as e:  # runs in the step's `finally`: never mask the step's own exception
-            warnings.warn(f"tapesac: cannot append {what} to {str(path)!r}: {e}", stacklevel=4)
+            logger.warning(f"tapesac: cannot append {what} to {str(path)!r}: {e}")

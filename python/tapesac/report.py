@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
+from .plotting import pyplot
 from .stats import SCHEMA_VERSION, StepStats
 
-__all__ = ["StepReport", "SCHEMA_VERSION"]
+__all__ = ["StepReport", "SCHEMA_VERSION", "median_of_steps"]
 
 
 _PHASE_COLORS = {"forward": "#1f77b4", "backward": "#d62728", "replay": "#2ca02c"}
@@ -25,6 +26,16 @@ _PHASE_COLORS = {"forward": "#1f77b4", "backward": "#d62728", "replay": "#2ca02c
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
+
+
+def median_of_steps(values: Sequence[float]) -> float | None:
+    """The median of a per-step figure over the steps after the first (step 1 records every tape and measures: a
+    warm-up), over the one step when there is only one; None without steps. The one definition of "median step"
+    that StepReport, ``tapesac report`` and ``tapesac demo`` print."""
+    values = list(values)
+    if not values:
+        return None
+    return statistics.median(values[1:] if len(values) > 1 else values)
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,7 @@ class StepReport:
     policy: str
     blocks: tuple[str, ...]
     last: dict[str, Any] | None
-    median_step_ms: float | None
+    median_step_ms: float | None  # median_of_steps: steps 2.. (step 1 is the warm-up)
     median_replay_ms: float | None
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
     peaks: tuple[int, ...] = ()
@@ -67,8 +78,8 @@ class StepReport:
             policy=last["policy"] if last else "",
             blocks=tuple(blocks),
             last=last,
-            median_step_ms=statistics.median(r["step_ms"] for r in records) if records else None,
-            median_replay_ms=statistics.median(r["replay_ms"] for r in records) if records else None,
+            median_step_ms=median_of_steps([r["step_ms"] for r in records]),
+            median_replay_ms=median_of_steps([r["replay_ms"] for r in records]),
             ops_replayed_by_name=dict(last["ops_replayed_by_name"]) if last else {},
             peaks=tuple(int(r["memory"]["peak_bytes"]) for r in records if r.get("memory")),
             timeline={"points": list(timeline.get("timeline", [])), "spans": list(timeline.get("spans", []))},
@@ -125,7 +136,8 @@ class StepReport:
         last = self.last
         lines = [
             f"tapesac report — policy {self.policy!r}, {self.steps} step(s), median step {self.median_step_ms:.1f} ms, "
-            f"median replay {self.median_replay_ms:.1f} ms",
+            f"median replay {self.median_replay_ms:.1f} ms" + (" (steps 2..: step 1 is the warm-up)" if self.steps > 1
+                                                               else ""),
             f"last step: {last['block_calls']} block call(s), {last['ops_recorded']} ops recorded, "
             f"{last['saved_tensors']} tensors saved: {last['kept_tensors']} kept ({_mib(last['kept_bytes'])} MiB), "
             f"{last['dropped_tensors']} dropped ({_mib(last['dropped_bytes'])} MiB), {last['opaque_tensors']} opaque; "
@@ -193,13 +205,7 @@ class StepReport:
 def plot_reports(reports: Sequence[StepReport], path: str | Path, title: str | None = None,
                  labels: Sequence[str] | None = None) -> Path:
     """One figure comparing reports (e.g. policy "none" and "full"): a timeline panel and a bar panel per report."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
-        raise ConfigError("StepReport.plot needs matplotlib (pip install matplotlib)") from e
+    plt = pyplot("StepReport.plot")
     if not reports or any(r.last is None for r in reports):
         raise ConfigError("plot needs reports with at least one step")
     labels = list(labels) if labels else [f"policy {r.policy!r}" for r in reports]

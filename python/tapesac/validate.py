@@ -75,6 +75,11 @@ class ValidationReport:
         return "\n".join(lines)
 
 
+def _scalar(x: Any) -> float:
+    """A loss as a float (a tensor is detached first: no autograd warning)."""
+    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+
+
 def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
@@ -150,5 +155,5 @@ def validate(model: nn.Module, step_fn: Callable[[nn.Module], Any], *, blocks: A
     grads = [_diff(n, p.grad, q.grad)
              for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())]
     bufs = [_diff(n, a, b) for (n, a), (_, b) in zip(model.named_buffers(), reference.named_buffers())]
-    return ValidationReport(loss=float(loss) if not error else float("nan"), reference_loss=float(ref_loss),
+    return ValidationReport(loss=_scalar(loss) if not error else float("nan"), reference_loss=_scalar(ref_loss),
                             gradients=grads, buffers=bufs, records=records, error=error)

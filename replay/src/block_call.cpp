@@ -5,16 +5,16 @@
 #include <algorithm>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
 
 namespace tapesac::replay {
 namespace {
 
 using capture::kExternal;
+using capture::storage_bytes;
 using capture::storage_key;
 using capture::Tape;
-
-int64_t storage_bytes(const at::Tensor& t) { return t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 
 }  // namespace
 

@@ -15,8 +15,9 @@ using capture::Tape;
 at::Tensor BlockCall::unpack(int32_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   TAPESAC_CHECK(!step_closed_, kGeneric, "tapesac: a tensor saved in block '", name_,
-                "' was unpacked after its step ended. Run the backward inside `with sac.step():` (forward and "
-                "backward of one step both belong inside the `with` block).");
+                "' was unpacked after its step ended: a backward spans two steps. Run each backward in the step of "
+                "its forward: inside `with sac.step():` (forward and backward both inside the `with` block), or, "
+                "with sac.attach(optimizer), before the optimizer.step() that ends the step.");
   TAPESAC_CHECK(slot >= 0 && static_cast<size_t>(slot) < slots_.size(), kGeneric, "tapesac: unknown saved slot ", slot);
   const Slot& s = slots_[static_cast<size_t>(slot)];
   TAPESAC_INTERNAL_ASSERT(!s.released, "slot ", slot, " of block ", name_, " unpacked after its handle was freed");
@@ -138,7 +139,7 @@ void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const
       ++replays_;
       throw;
     }
-    const int64_t nbytes = static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+    const int64_t nbytes = capture::view_bytes(tensor);
     const bool approximated = approx_ && approx_->approximates(value);
     record(value, approximated ? "approximated" : recovered.empty() ? "match" : "recovered", nbytes, replay_ns,
            recovered);

@@ -5,7 +5,7 @@
 #include <unordered_set>
 
 #include "tapesac/capture/op_kinds.h"
-#include "tapesac/capture/recorder.h"
+#include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
 #include "tapesac/common/fnv.h"
 
@@ -147,7 +147,7 @@ void ReplayContract::verify_bytes(ValueId v, const at::Tensor& t, int64_t replay
          "(enable torch.use_deterministic_algorithms(True)) or state it reads changed without a version "
          "bump (a .data write, a write through numpy); keep its outputs with a policy set to avoid "
          "replaying it.";
-  const int64_t nbytes = static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+  const int64_t nbytes = capture::view_bytes(t);
   sink_->record(v, "divergent", nbytes, replay_ns, msg.str());
   throw Error(ErrorKind::kReplayContract, msg.str());
 }

@@ -1,7 +1,6 @@
 // The eager replayer (see eager_replayer.h).
 #include "tapesac/replay/eager_replayer.h"
 
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -13,6 +12,7 @@
 
 #include "tapesac/capture/errors.h"
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/common/clock.h"
 
 namespace tapesac::replay {
 namespace {
@@ -73,15 +73,100 @@ int64_t predict_working_set(const Tape& tape, const PruneResult& plan, const std
 
 namespace {
 
+// Puts `t` at position `elem` of the list argument `slot`. Lists are reference types: the first time per op
+// (`copied` 0) the slot gets a fresh list, so that the payload's own list is never written.
+void set_list_element(c10::IValue& slot, int elem, const at::Tensor& t, uint8_t& copied) {
+  if (slot.isTensorList()) {
+    if (!copied) {
+      slot = c10::List<at::Tensor>();
+      copied = 1;
+    }
+    auto list = slot.toTensorList();
+    while (list.size() <= static_cast<size_t>(elem)) list.push_back(at::Tensor());
+    list.set(static_cast<size_t>(elem), t);
+  } else {
+    if (!copied) {
+      slot = slot.toList().copy();
+      copied = 1;
+    }
+    auto list = slot.toList();
+    list.set(static_cast<size_t>(elem), t);
+  }
+}
+
+// Fills op `i`'s tensor arguments into `stack` (its boxed arguments) from the live tensors or the values replayed
+// so far. `return_live` (run_ops): a live value read is also put in `env`. `list_copied`: 0 per stack slot.
+void fill_inputs(const ReplaySource& source, OpIndex i, bool return_live, std::vector<at::Tensor>& env,
+                 torch::jit::Stack& stack, std::vector<uint8_t>& list_copied) {
+  const Tape& tape = *source.tape;
+  for (const ArgRef& a : tape.op(i).inputs) {
+    const ReadSource src = classify_read(tape, *source.available, a.value, a.state, a.meta_only);
+    const at::Tensor& t =
+        src == ReadSource::kLive ? (*source.live)[static_cast<size_t>(a.value)] : env[static_cast<size_t>(a.value)];
+    TAPESAC_INTERNAL_ASSERT(t.defined(), "replay of op ", op_label(tape, i), " is missing its input v", a.value);
+    if (src == ReadSource::kLive && !env[static_cast<size_t>(a.value)].defined() && return_live) {
+      env[static_cast<size_t>(a.value)] = t;  // run_ops returns the live values read too
+    }
+    c10::IValue& slot = stack.at(static_cast<size_t>(a.arg));
+    if (a.elem < 0) {
+      slot = t;
+    } else {
+      set_list_element(slot, a.elem, t, list_copied[static_cast<size_t>(a.arg)]);
+    }
+  }
+}
+
+// Checks op `i`'s outputs against the tape (the count always, the metadata when `check_metadata`) and stores them
+// in `env`. Throws tapesac::Error (kReplayContract) on a divergence.
+void store_outputs(const Tape& tape, OpIndex i, const std::vector<at::Tensor>& outs, bool check_metadata,
+                   std::vector<at::Tensor>& env) {
+  const OpRecord& rec = tape.op(i);
+  TAPESAC_CHECK(outs.size() == rec.outputs.size(), kReplayContract, "replay of op ", op_label(tape, i), " returned ",
+                outs.size(), " tensors but the forward returned ", rec.outputs.size(),
+                ". The op is not deterministic in its outputs; keep its results (policy) or report the model.");
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const ValueId v = rec.outputs[j];
+    if (v < 0) continue;
+    const at::Tensor& t = outs[j];
+    if (check_metadata) {
+      const capture::TensorMeta& m = tape.value(v).meta;
+      const bool same = t.defined() && m.sizes.equals(t.sizes()) && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
+                        (t.layout() != c10::kStrided || m.strides.equals(t.strides()));
+      TAPESAC_CHECK(same, kReplayContract, "replay of op ", op_label(tape, i), " output ", j,
+                    " diverged from the forward: expected sizes ", describe(m.sizes.vec()), " strides ",
+                    describe(m.strides.vec()), " dtype ", m.dtype, ", got ",
+                    t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec())
+                                : std::string("an undefined tensor"),
+                    ". The block's inputs or parameters changed shape between forward and backward; run the "
+                    "backward before changing them.");
+    }
+    env[static_cast<size_t>(v)] = t;
+  }
+}
+
+// After the op at position k of the closure: frees the inputs it was the last reader of and the outputs nobody in
+// the closure reads, targets excepted.
+void release_dead(const OpRecord& rec, size_t k, const std::vector<int32_t>& last_use,
+                  const std::vector<uint8_t>& is_target, std::vector<at::Tensor>& env) {
+  for (const ArgRef& a : rec.inputs) {
+    const auto v = static_cast<size_t>(a.value);
+    if (last_use[v] == static_cast<int32_t>(k) && !is_target[v]) env[v].reset();
+  }
+  for (ValueId v : rec.outputs) {
+    if (v >= 0 && last_use[static_cast<size_t>(v)] < 0 && !is_target[static_cast<size_t>(v)]) {
+      env[static_cast<size_t>(v)].reset();  // an output nobody in the closure reads
+    }
+  }
+}
+
 /// Runs `ops` in order over `env` (indexed by ValueId). `last_use`/`is_target` (may be null: keep everything) let it
-/// free each intermediate after its last reader.
+/// free each intermediate after its last reader. Hot path (runs per replayed op): per op it allocates the boxed stack
+/// (and fresh lists for list arguments that hold tensors); its scratch vectors are reused across ops.
 void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const std::vector<int32_t>* last_use,
              const std::vector<uint8_t>* is_target, const ReplayOptions& options, std::vector<at::Tensor>& env,
              ReplayStats* stats) {
   const Tape& tape = *source.tape;
   const auto& payloads = *source.payloads;
-  const auto& live = *source.live;
-  const auto& available = *source.available;
   GeneratorRestorer restorer;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   // The tape holds the ops autocast produced (casts included): replay runs exactly those, whatever autocast state
@@ -89,6 +174,7 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   std::vector<at::Tensor> outs;
   std::vector<c10::IValue> observed_args;
+  std::vector<uint8_t> list_copied;
 
   for (size_t k = 0; k < ops.size(); ++k) {
     const OpIndex i = ops[k];
@@ -97,37 +183,8 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
     TAPESAC_INTERNAL_ASSERT(payload.handle.has_value(), "op ", op_label(tape, i), " has no operator handle");
 
     torch::jit::Stack stack(payload.args.begin(), payload.args.end());
-    // Lists are reference types: give each list argument with tensors a fresh copy before filling it.
-    std::vector<uint8_t> list_copied(stack.size(), 0);
-    for (const ArgRef& a : rec.inputs) {
-      const ReadSource src = classify_read(tape, available, a.value, a.state, a.meta_only);
-      const at::Tensor& t = src == ReadSource::kLive ? live[static_cast<size_t>(a.value)] : env[static_cast<size_t>(a.value)];
-      TAPESAC_INTERNAL_ASSERT(t.defined(), "replay of op ", op_label(tape, i), " is missing its input v", a.value);
-      if (src == ReadSource::kLive && !env[static_cast<size_t>(a.value)].defined() && last_use == nullptr) {
-        env[static_cast<size_t>(a.value)] = t;  // run_ops returns the live values read too
-      }
-      c10::IValue& slot = stack.at(static_cast<size_t>(a.arg));
-      if (a.elem < 0) {
-        slot = t;
-        continue;
-      }
-      if (slot.isTensorList()) {
-        if (!list_copied[static_cast<size_t>(a.arg)]) {
-          slot = c10::List<at::Tensor>();
-          list_copied[static_cast<size_t>(a.arg)] = 1;
-        }
-        auto list = slot.toTensorList();
-        while (list.size() <= static_cast<size_t>(a.elem)) list.push_back(at::Tensor());
-        list.set(static_cast<size_t>(a.elem), t);
-      } else {
-        if (!list_copied[static_cast<size_t>(a.arg)]) {
-          slot = slot.toList().copy();
-          list_copied[static_cast<size_t>(a.arg)] = 1;
-        }
-        auto list = slot.toList();
-        list.set(static_cast<size_t>(a.elem), t);
-      }
-    }
+    list_copied.assign(stack.size(), 0);
+    fill_inputs(source, i, last_use == nullptr, env, stack, list_copied);
     if (options.set_rng) use_recorded_rng(payload, stack, restorer);
     if (options.observer != nullptr) observed_args.assign(stack.begin(), stack.end());
 
@@ -135,39 +192,9 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
 
     outs.clear();
     flatten_outputs(stack, outs);
-    TAPESAC_CHECK(outs.size() == rec.outputs.size(), kReplayContract, "replay of op ", op_label(tape, i), " returned ",
-                  outs.size(), " tensors but the forward returned ", rec.outputs.size(),
-                  ". The op is not deterministic in its outputs; keep its results (policy) or report the model.");
-    for (size_t j = 0; j < outs.size(); ++j) {
-      const ValueId v = rec.outputs[j];
-      if (v < 0) continue;
-      const at::Tensor& t = outs[j];
-      if (options.check_metadata) {
-        const capture::TensorMeta& m = tape.value(v).meta;
-        const bool same = t.defined() && m.sizes.equals(t.sizes()) && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
-                          (t.layout() != c10::kStrided || m.strides.equals(t.strides()));
-        TAPESAC_CHECK(same, kReplayContract, "replay of op ", op_label(tape, i), " output ", j,
-                      " diverged from the forward: expected sizes ", describe(m.sizes.vec()), " strides ",
-                      describe(m.strides.vec()), " dtype ", m.dtype, ", got ",
-                      t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec())
-                                  : std::string("an undefined tensor"),
-                      ". The block's inputs or parameters changed shape between forward and backward; run the "
-                      "backward before changing them.");
-      }
-      env[static_cast<size_t>(v)] = t;
-    }
+    store_outputs(tape, i, outs, options.check_metadata, env);
     if (options.observer != nullptr) options.observer->after_op(i, observed_args, outs);
-    if (last_use != nullptr) {
-      for (const ArgRef& a : rec.inputs) {
-        const auto v = static_cast<size_t>(a.value);
-        if ((*last_use)[v] == static_cast<int32_t>(k) && !(*is_target)[v]) env[v].reset();
-      }
-      for (ValueId v : rec.outputs) {
-        if (v >= 0 && (*last_use)[static_cast<size_t>(v)] < 0 && !(*is_target)[static_cast<size_t>(v)]) {
-          env[static_cast<size_t>(v)].reset();  // an output nobody in the closure reads
-        }
-      }
-    }
+    if (last_use != nullptr) release_dead(rec, k, *last_use, *is_target, env);
     if (stats != nullptr) {
       ++stats->ops;
       ++stats->ops_by_kind[rec.kind];
@@ -182,7 +209,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
   const Tape& tape = *source.tape;
   const auto& live = *source.live;
   const auto& available = *source.available;
-  const auto t0 = std::chrono::steady_clock::now();
+  const common::Stopwatch clock;
 
   PruneResult plan = prune(tape, targets, available);
   TAPESAC_CHECK(plan.ok, kReplayContract, "tapesac cannot rebuild a dropped tensor: ", plan.reason,
@@ -209,7 +236,7 @@ std::unordered_map<ValueId, at::Tensor> replay(const ReplaySource& source, const
     result.emplace(r.value, std::move(t));
   }
   if (stats != nullptr) {
-    stats->ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    stats->ns += clock.elapsed_ns();
   }
   return result;
 }

@@ -12,8 +12,9 @@
 #include <ATen/ops/empty_strided.h>
 
 #include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tensor_identity.h"
+#include "tapesac/common/fnv.h"
 #include "tapesac/replay/eager_replayer.h"
-#include "fnv.h"
 
 namespace tapesac::replay {
 namespace {
@@ -30,7 +31,7 @@ uint64_t bits_of(double d) {
 }
 
 /// Hashes one constant argument; false for kinds that cannot be compared by value.
-bool hash_ivalue(const c10::IValue& v, Fnv64& h) {
+bool hash_ivalue(const c10::IValue& v, common::Fnv64& h) {
   h.mix(static_cast<uint64_t>(v.tagKind().size()));
   if (v.isNone()) {
     h.mix(0);
@@ -117,8 +118,111 @@ std::string describe_value(const capture::Tape& tape, ValueId v) {
                                  : "output of op #" + std::to_string(p) + " " + capture::op_kind_name(tape.op(p).kind);
 }
 
-int64_t tensor_bytes(const at::Tensor& t) {
-  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+// Records why this replay goes eager; returns false for the caller to return.
+bool refuse(GraphReplayOutcome& out, GraphFallback reason, std::string detail) {
+  out.reason = reason;
+  out.detail = std::move(detail);
+  return false;
+}
+
+// What a capture of `graph_ops` will hold: every storage a captured op creates, and a static buffer per value it
+// reads live.
+int64_t capture_bytes(const capture::Tape& tape, const std::vector<OpIndex>& graph_ops,
+                      const std::vector<uint8_t>& capture_live) {
+  int64_t bytes = 0;
+  for (OpIndex i : graph_ops) {
+    for (capture::StorageId s : tape.op(i).writes) {
+      const capture::StorageInfo& st = tape.storage(s);
+      if (!st.external && !st.writers.empty() && st.writers[0] == i) bytes += st.nbytes;
+    }
+  }
+  for (size_t v = 0; v < capture_live.size(); ++v) {
+    if (capture_live[v]) bytes += tape.values()[v].meta.nbytes;
+  }
+  return bytes;
+}
+
+// Static inputs of a capture, by ValueId, from the forward's metadata (the call may no longer hold the tensors its
+// plan does not read).
+std::vector<at::Tensor> static_inputs(const capture::Tape& tape, const std::vector<uint8_t>& capture_live) {
+  std::vector<at::Tensor> inputs(tape.values().size());
+  for (size_t v = 0; v < capture_live.size(); ++v) {
+    if (!capture_live[v]) continue;
+    const capture::TensorMeta& m = tape.values()[v].meta;
+    const auto options = at::TensorOptions()
+                             .dtype(static_cast<c10::ScalarType>(m.dtype))
+                             .device(c10::Device(static_cast<c10::DeviceType>(m.device_type),
+                                                 static_cast<c10::DeviceIndex>(m.device_index)));
+    // Zeros, not garbage: the emulation runs the capture (an index read from garbage would fault).
+    inputs[v] = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
+    const auto elems = static_cast<int64_t>(inputs[v].storage().nbytes()) / inputs[v].element_size();
+    inputs[v].as_strided({elems}, {1}, 0).zero_();  // the whole storage: an expanded view cannot be filled
+  }
+  return inputs;
+}
+
+// Tells the device each op a capture run executes (it attributes graph nodes to tape ops).
+class DeviceForwarder final : public ReplayObserver {
+ public:
+  explicit DeviceForwarder(capture::GraphDevice& d) : d_(d) {}
+  void after_op(OpIndex op, const std::vector<c10::IValue>& args, const std::vector<at::Tensor>& outs) override {
+    d_.after_op(op, args, outs);
+  }
+
+ private:
+  capture::GraphDevice& d_;
+};
+
+// Runs `graph_ops` of `call` under capture on `device`, reading `inputs` (by ValueId) for the values in
+// `capture_live`; `env` receives every tensor the run made. Null, with `error` set, when the run or the capture
+// failed (the capture is then abandoned).
+std::unique_ptr<capture::ExecGraph> capture_ops(capture::GraphDevice& device, const GraphCall& call,
+                                                const std::vector<OpIndex>& graph_ops,
+                                                const std::vector<at::Tensor>& inputs,
+                                                const std::vector<uint8_t>& capture_live,
+                                                std::vector<at::Tensor>& env, std::string& error) {
+  DeviceForwarder forward(device);
+  ReplaySource src;
+  src.tape = call.tape;
+  src.payloads = call.payloads;
+  src.live = &inputs;
+  src.available = &capture_live;
+  ReplayOptions ro;
+  ro.set_rng = device.capture_executes();
+  ro.observer = &forward;
+  bool began = false;
+  try {
+    device.begin_capture();
+    began = true;
+    env = run_ops(src, graph_ops, ro);
+  } catch (const std::exception& ex) {
+    if (began) device.abort_capture();
+    error = ex.what();
+  }
+  if (!error.empty()) return nullptr;
+  return device.end_capture(&error);
+}
+
+// Note [Graph RNG] (capture/cuda/graph_device.cpp): a launch gives the graph's random ops the forward's first
+// offset plus their offsets within the graph. A random op left out of the graph but drawing between two of its
+// random ops made the forward's later offsets larger than the graph's, and the offset check cannot see it (the
+// captured call's deltas include it too): such a key is never captured. Returns why, or "" when no such op exists.
+std::string random_op_left_out(const capture::Tape& tape, const std::vector<OpIndex>& graph_ops,
+                               const std::vector<uint8_t>& tainted) {
+  OpIndex first = -1, last = -1;
+  for (OpIndex i : graph_ops) {
+    if (!tape.op(i).has(OpFlag::kRandom)) continue;
+    if (first < 0) first = i;
+    last = i;
+  }
+  for (OpIndex i = first + 1; first >= 0 && i < last; ++i) {
+    if (tainted[static_cast<size_t>(i)] && tape.op(i).has(OpFlag::kRandom)) {
+      return "random op #" + std::to_string(i) + " (" + capture::op_kind_name(tape.op(i).kind) +
+             ") cannot be in the graph but draws between its random ops #" + std::to_string(first) + " and #" +
+             std::to_string(last) + ": the graph's offsets would skip its draws";
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -174,7 +278,7 @@ std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<ui
 }
 
 bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<OpIndex>& ops, uint64_t* hash) {
-  Fnv64 h;
+  common::Fnv64 h;
   for (OpIndex i : ops) {
     const OpPayload& p = payloads.at(static_cast<size_t>(i));
     h.mix(static_cast<uint64_t>(i));
@@ -187,6 +291,7 @@ bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<Op
   return true;
 }
 
+// One key's graph: the warm-up count or the failure, then the captured executable with its static tensors.
 struct GraphCache::Entry {
   int eager = 0;
   GraphFallback failed = GraphFallback::kNone;
@@ -209,6 +314,179 @@ struct GraphCache::Entry {
     const at::Tensor& t = statics[static_cast<size_t>(v)];
     return static_cast<int64_t>(t.use_count()) > impl_refs[static_cast<size_t>(v)] ||
            static_cast<int64_t>(t.storage().use_count()) > storage_refs[static_cast<size_t>(v)];
+  }
+
+  // Takes a successful capture: the executable, what it ran and every tensor it made (`env`, by ValueId).
+  void adopt(std::unique_ptr<capture::ExecGraph> graph, const capture::Tape& tape,
+             const std::vector<OpIndex>& graph_ops, const std::vector<uint8_t>& live, std::vector<at::Tensor> env,
+             const std::vector<OpPayload>& call_payloads) {
+    exec = std::move(graph);
+    ops = graph_ops;
+    in_graph.assign(tape.ops().size(), 0);
+    for (OpIndex i : graph_ops) {
+      in_graph[static_cast<size_t>(i)] = 1;
+      if (tape.op(i).has(OpFlag::kRandom)) random_ops.push_back(i);
+    }
+    capture_live = live;
+    statics = std::move(env);
+    impl_refs.assign(statics.size(), 0);
+    storage_refs.assign(statics.size(), 0);
+    for (size_t v = 0; v < statics.size(); ++v) {
+      if (!statics[v].defined()) continue;
+      impl_refs[v] = static_cast<int64_t>(statics[v].use_count());
+      storage_refs[v] = static_cast<int64_t>(statics[v].storage().use_count());
+    }
+    payloads = call_payloads;
+    applied.assign(exec->topology().node_count(), 1);
+  }
+
+  // Every op of `plan` was captured; `stage_list` receives the live values they read (to stage before the launch)
+  // and `needed` the plan's ops. False with the reason in `out` when an op was not captured, or a value to stage has
+  // no static buffer or its storage is written by the replay.
+  bool stage_list_for(const GraphCall& call, const PruneResult& plan, std::vector<uint8_t>& needed,
+                      std::vector<ValueId>& stage_list, GraphReplayOutcome& out) const {
+    const capture::Tape& tape = *call.tape;
+    needed.assign(tape.ops().size(), 0);
+    std::vector<uint8_t> written(tape.storages().size(), 0);
+    for (OpIndex i : plan.ops) {
+      if (!in_graph[static_cast<size_t>(i)]) {
+        return refuse(out, GraphFallback::kNotInGraph,
+                      "op #" + std::to_string(i) +
+                          " reads the result of an op that must not re-run and was not kept, so the graph does not "
+                          "hold it");
+      }
+      needed[static_cast<size_t>(i)] = 1;
+      for (capture::StorageId s : tape.op(i).writes) written[static_cast<size_t>(s)] = 1;
+    }
+    std::vector<uint8_t> staged(tape.values().size(), 0);
+    for (OpIndex i : plan.ops) {
+      for (const ArgRef& a : tape.op(i).inputs) {
+        const auto v = static_cast<size_t>(a.value);
+        if (staged[v] || classify_read(tape, *call.available, a.value, a.state, a.meta_only) != ReadSource::kLive) {
+          continue;
+        }
+        if (!statics[v].defined() || !(*call.live)[v].defined()) {
+          return refuse(out, GraphFallback::kStagingConflict,
+                        "value v" + std::to_string(v) + " read by op #" + std::to_string(i) +
+                            " has no static buffer in the graph");
+        }
+        if (written[static_cast<size_t>(tape.value(a.value).storage)]) {
+          return refuse(out, GraphFallback::kStagingConflict,
+                        "op #" + std::to_string(i) + " reads v" + std::to_string(v) +
+                            " as kept, but the replay also writes its storage");
+        }
+        staged[v] = 1;
+        stage_list.push_back(a.value);
+      }
+    }
+    return true;
+  }
+
+  // False with the reason in `out` when a needed op writes a replayed target's storage past the state the target is
+  // read at, or the graph does not hold a replayed target.
+  bool targets_held(const GraphCall& call, const std::vector<Read>& targets, const std::vector<uint8_t>& needed,
+                    GraphReplayOutcome& out) const {
+    const capture::Tape& tape = *call.tape;
+    for (const Read& r : targets) {
+      if (classify_read(tape, *call.available, r.value, r.state, false) == ReadSource::kLive) continue;
+      const capture::StorageInfo& st = tape.storage(tape.value(r.value).storage);
+      for (int32_t w = r.state; w < st.final_state(); ++w) {
+        if (needed[static_cast<size_t>(st.writers[static_cast<size_t>(w)])]) {
+          return refuse(out, GraphFallback::kStagingConflict,
+                        "target v" + std::to_string(r.value) + " is read at state " + std::to_string(r.state) +
+                            " but the replay writes its storage later");
+        }
+      }
+      if (!statics[static_cast<size_t>(r.value)].defined()) {
+        return refuse(out, GraphFallback::kNotInGraph,
+                      "target v" + std::to_string(r.value) + " is not held by the graph");
+      }
+    }
+    return true;
+  }
+
+  // False with the reason in `out` while a tensor the previous launch handed out is still referenced.
+  bool handed_out_dead(const capture::Tape& tape, GraphReplayOutcome& out) const {
+    for (ValueId v : handed) {
+      if (referenced(v)) {
+        return refuse(out, GraphFallback::kOutputsLive,
+                      "v" + std::to_string(v) + " (" + describe_value(tape, v) +
+                          ") from the previous launch of this graph is still referenced (" +
+                          std::to_string(statics[static_cast<size_t>(v)].use_count()) + "/" +
+                          std::to_string(impl_refs[static_cast<size_t>(v)]) + " tensor, " +
+                          std::to_string(statics[static_cast<size_t>(v)].storage().use_count()) + "/" +
+                          std::to_string(storage_refs[static_cast<size_t>(v)]) + " storage references)");
+      }
+    }
+    return true;
+  }
+
+  // Copies the live tensors of `stage_list` into their static buffers (those not already there). False with the
+  // reason in `out` when one cannot be staged (the values before it are staged).
+  bool stage(capture::GraphDevice& device, const std::vector<at::Tensor>& live, const std::vector<ValueId>& stage_list,
+             GraphReplayOutcome& out) const {
+    for (ValueId v : stage_list) {
+      const at::Tensor& dst = statics[static_cast<size_t>(v)];
+      const at::Tensor& src = live[static_cast<size_t>(v)];
+      if (same_memory(dst, src)) continue;
+      if (!stage_into(device, dst, src)) {
+        return refuse(out, GraphFallback::kStagingConflict,
+                      "v" + std::to_string(v) + " cannot be staged: its live tensor has another shape or dtype than "
+                      "at the forward, or it overlaps itself");
+      }
+      out.staged_bytes += capture::view_bytes(src);
+    }
+    return true;
+  }
+
+  // Sets the executable's node mask to `mask` (only the nodes that change).
+  void apply(const GraphPrune& mask) {
+    const auto& topo = exec->topology();
+    for (size_t n = 0; n < topo.node_count(); ++n) {
+      if (applied[n] == mask.enabled[n]) continue;
+      exec->set_enabled(static_cast<capture::NodeId>(n), mask.enabled[n] != 0);
+      applied[n] = mask.enabled[n];
+    }
+  }
+
+  // Launches the executable, timed per op when `timing` asks for this launch (a failed timing is a note, not an
+  // error).
+  void launch(capture::GraphDevice& device, LaunchTiming timing, size_t tape_ops, GraphReplayOutcome& out) {
+    std::unique_ptr<capture::LaunchTimer> timer;
+    if (timing == LaunchTiming::kEvery || (timing == LaunchTiming::kFirst && !timing_asked)) {
+      timing_asked = true;
+      timer = device.time_launch(*exec, &out.timing_note);
+    }
+    exec->launch();
+    out.launched = true;
+    if (!timer) return;
+    try {
+      capture::OpKernelTimes t = timer->finish(tape_ops);
+      out.timed = true;
+      out.timing = timer->kind();
+      out.op_ns = std::move(t.ns);
+      out.unattributed_ns = t.unattributed_ns;
+    } catch (const std::exception& ex) {
+      out.timing_note = std::string("timing the launch failed: ") + ex.what();
+    }
+  }
+
+  // The targets' tensors after a launch: live ones as they are, replayed ones as fresh aliases of the static tensors
+  // (remembered in `handed`).
+  std::unordered_map<ValueId, at::Tensor> hand_out(const GraphCall& call, const std::vector<Read>& targets) {
+    std::unordered_map<ValueId, at::Tensor> result;
+    for (const Read& r : targets) {
+      const auto v = static_cast<size_t>(r.value);
+      if (classify_read(*call.tape, *call.available, r.value, r.state, false) == ReadSource::kLive) {
+        result.emplace(r.value, (*call.live)[v]);
+      } else {
+        // A fresh TensorImpl over the static storage: whoever holds it shows in the storage's reference count.
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        result.emplace(r.value, at::alias(statics[v]));
+        handed.push_back(r.value);
+      }
+    }
+    return result;
   }
 };
 
@@ -251,127 +529,60 @@ GraphCache::Entry* GraphCache::find_or_add(uint64_t key) {
   return slot.get();
 }
 
-// Captures the key's graph once its warm-up is done (Note [What a graph captures]). False when this replay goes
+// Whether the key may be captured now (its warm-up done, room for its static memory). False when this replay goes
 // eager: a warm-up (out.warmup) or a refusal (out.reason, out.detail).
-bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIndex>& graph_ops,
-                         const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out) {
-  const capture::Tape& tape = *call.tape;
-  auto refuse = [&out](GraphFallback reason, std::string detail) {
-    out.reason = reason;
-    out.detail = std::move(detail);
-    return false;
-  };
-  // What the capture will hold: every storage a captured op creates, and a static buffer per value it reads live.
-  int64_t bytes = 0;
-  for (OpIndex i : graph_ops) {
-    for (capture::StorageId s : tape.op(i).writes) {
-      const capture::StorageInfo& st = tape.storage(s);
-      if (!st.external && !st.writers.empty() && st.writers[0] == i) bytes += st.nbytes;
-    }
-  }
-  for (size_t v = 0; v < capture_live.size(); ++v) {
-    if (capture_live[v]) bytes += tape.values()[v].meta.nbytes;
-  }
-  e.bytes = bytes;  // pending until captured (pending_bytes)
+bool GraphCache::ready_to_capture(Entry& e, const GraphCall& call, GraphReplayOutcome& out) {
   if (e.eager < options_.warmup) {
     ++e.eager;
     out.warmup = true;
     return false;
   }
   if (!capture_enabled_) {
-    return refuse(GraphFallback::kMemoryLimit,
-                  "the plan under memory_limit leaves no room for the graph's " + std::to_string(bytes) +
+    return refuse(out, GraphFallback::kMemoryLimit,
+                  "the plan under memory_limit leaves no room for the graph's " + std::to_string(e.bytes) +
                       " bytes of static memory; this block replays eagerly");
   }
   if (captured_ >= options_.max_graphs) {
-    return refuse(GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
-                                                  " graphs already (max_graphs); this block replays eagerly");
+    return refuse(out, GraphFallback::kGraphLimit, "the session holds " + std::to_string(captured_) +
+                                                       " graphs already (max_graphs); this block replays eagerly");
   }
   if (call.memory_limit > 0 && call.last_peak == 0) {
     out.warmup = true;  // no step measured yet: the statics' room under the limit is unknown
     return false;
   }
   const int64_t peak = std::max(call.in_use, call.last_peak);
-  if (call.memory_limit > 0 && peak + bytes > call.memory_limit) {
-    return refuse(GraphFallback::kMemoryLimit,
-                  "capturing the block needs " + std::to_string(bytes) + " bytes of static memory, held from "
+  if (call.memory_limit > 0 && peak + e.bytes > call.memory_limit) {
+    return refuse(out, GraphFallback::kMemoryLimit,
+                  "capturing the block needs " + std::to_string(e.bytes) + " bytes of static memory, held from "
                   "then on; the step peaks at " + std::to_string(peak) + " bytes under a limit of " +
                       std::to_string(call.memory_limit));
   }
-  // Static inputs, from the forward's metadata (the call may no longer hold the tensors its plan does not read).
-  std::vector<at::Tensor> inputs(tape.values().size());
-  for (size_t v = 0; v < capture_live.size(); ++v) {
-    if (!capture_live[v]) continue;
-    const capture::TensorMeta& m = tape.values()[v].meta;
-    const auto options = at::TensorOptions()
-                             .dtype(static_cast<c10::ScalarType>(m.dtype))
-                             .device(c10::Device(static_cast<c10::DeviceType>(m.device_type),
-                                                 static_cast<c10::DeviceIndex>(m.device_index)));
-    // Zeros, not garbage: the emulation runs the capture (an index read from garbage would fault).
-    inputs[v] = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
-    const auto elems = static_cast<int64_t>(inputs[v].storage().nbytes()) / inputs[v].element_size();
-    inputs[v].as_strided({elems}, {1}, 0).zero_();  // the whole storage: an expanded view cannot be filled
-  }
-  class Forward final : public ReplayObserver {
-   public:
-    explicit Forward(capture::GraphDevice& d) : d_(d) {}
-    void after_op(OpIndex op, const std::vector<c10::IValue>& args, const std::vector<at::Tensor>& outs) override {
-      d_.after_op(op, args, outs);
-    }
+  return true;
+}
 
-   private:
-    capture::GraphDevice& d_;
-  } forward(*device_);
-  ReplaySource src;
-  src.tape = &tape;
-  src.payloads = call.payloads;
-  src.live = &inputs;
-  src.available = &capture_live;
-  ReplayOptions ro;
-  ro.set_rng = device_->capture_executes();
-  ro.observer = &forward;
+// Captures the key's graph once its warm-up is done (Note [What a graph captures]). False when this replay goes
+// eager: a warm-up (out.warmup) or a refusal (out.reason, out.detail).
+bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIndex>& graph_ops,
+                         const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out) {
+  const capture::Tape& tape = *call.tape;
+  e.bytes = capture_bytes(tape, graph_ops, capture_live);  // pending until captured (pending_bytes)
+  if (!ready_to_capture(e, call, out)) return false;
+  const std::vector<at::Tensor> inputs = static_inputs(tape, capture_live);
   std::vector<at::Tensor> env;
   std::string error;
-  bool began = false;
-  try {
-    device_->begin_capture();
-    began = true;
-    env = run_ops(src, graph_ops, ro);
-  } catch (const std::exception& ex) {
-    if (began) device_->abort_capture();
-    error = ex.what();
-  }
-  std::unique_ptr<capture::ExecGraph> exec;
-  if (error.empty()) exec = device_->end_capture(&error);
+  std::unique_ptr<capture::ExecGraph> exec = capture_ops(*device_, call, graph_ops, inputs, capture_live, env, error);
   if (!exec) {
     e.failed = GraphFallback::kCaptureInvalidated;
     e.failed_detail = "capture failed: " + error;
-    return refuse(e.failed, e.failed_detail);
+    return refuse(out, e.failed, e.failed_detail);
   }
   const GraphVerdict verdict = check_capturable(exec->topology());
   if (!verdict.ok()) {
     e.failed = verdict.reason;
     e.failed_detail = verdict.detail;
-    return refuse(e.failed, e.failed_detail);
+    return refuse(out, e.failed, e.failed_detail);
   }
-  e.exec = std::move(exec);
-  e.ops = graph_ops;
-  e.in_graph.assign(tape.ops().size(), 0);
-  for (OpIndex i : graph_ops) {
-    e.in_graph[static_cast<size_t>(i)] = 1;
-    if (tape.op(i).has(OpFlag::kRandom)) e.random_ops.push_back(i);
-  }
-  e.capture_live = capture_live;
-  e.statics = std::move(env);
-  e.impl_refs.assign(e.statics.size(), 0);
-  e.storage_refs.assign(e.statics.size(), 0);
-  for (size_t v = 0; v < e.statics.size(); ++v) {
-    if (!e.statics[v].defined()) continue;
-    e.impl_refs[v] = static_cast<int64_t>(e.statics[v].use_count());
-    e.storage_refs[v] = static_cast<int64_t>(e.statics[v].storage().use_count());
-  }
-  e.payloads = *call.payloads;
-  e.applied.assign(e.exec->topology().node_count(), 1);
+  e.adopt(std::move(exec), tape, graph_ops, capture_live, std::move(env), *call.payloads);
   ++captured_;
   out.captured = true;
   return true;
@@ -382,73 +593,22 @@ bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIn
 std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const GraphCall& call,
                                                           const std::vector<Read>& targets, const PruneResult& plan,
                                                           GraphReplayOutcome& out) {
-  const capture::Tape& tape = *call.tape;
-  const std::vector<uint8_t>& available = *call.available;
-  const std::vector<at::Tensor>& live = *call.live;
-  auto refuse = [&out](GraphFallback reason, std::string detail) {
-    out.reason = reason;
-    out.detail = std::move(detail);
-    return std::unordered_map<ValueId, at::Tensor>{};
-  };
-  const size_t nvalues = tape.values().size();
-  std::vector<uint8_t> needed(tape.ops().size(), 0);
-  std::vector<uint8_t> written(tape.storages().size(), 0);
-  for (OpIndex i : plan.ops) {
-    if (!e.in_graph[static_cast<size_t>(i)]) {
-      return refuse(GraphFallback::kNotInGraph, "op #" + std::to_string(i) +
-                                                    " reads the result of an op that must not re-run and was "
-                                                    "not kept, so the graph does not hold it");
-    }
-    needed[static_cast<size_t>(i)] = 1;
-    for (capture::StorageId s : tape.op(i).writes) written[static_cast<size_t>(s)] = 1;
-  }
-  std::vector<uint8_t> staged(nvalues, 0);
+  std::vector<uint8_t> needed;
   std::vector<ValueId> stage_list;
-  for (OpIndex i : plan.ops) {
-    for (const ArgRef& a : tape.op(i).inputs) {
-      const auto v = static_cast<size_t>(a.value);
-      if (staged[v] || classify_read(tape, available, a.value, a.state, a.meta_only) != ReadSource::kLive) continue;
-      if (!e.statics[v].defined() || !live[v].defined()) {
-        return refuse(GraphFallback::kStagingConflict, "value v" + std::to_string(v) + " read by op #" +
-                                                           std::to_string(i) + " has no static buffer in the graph");
-      }
-      if (written[static_cast<size_t>(tape.value(a.value).storage)]) {
-        return refuse(GraphFallback::kStagingConflict, "op #" + std::to_string(i) + " reads v" + std::to_string(v) +
-                                                           " as kept, but the replay also writes its storage");
-      }
-      staged[v] = 1;
-      stage_list.push_back(a.value);
-    }
+  if (!e.stage_list_for(call, plan, needed, stage_list, out) || !e.targets_held(call, targets, needed, out) ||
+      !e.handed_out_dead(*call.tape, out)) {
+    return {};
   }
-  for (const Read& r : targets) {
-    if (classify_read(tape, available, r.value, r.state, false) == ReadSource::kLive) continue;
-    const capture::StorageInfo& st = tape.storage(tape.value(r.value).storage);
-    for (int32_t w = r.state; w < st.final_state(); ++w) {
-      if (needed[static_cast<size_t>(st.writers[static_cast<size_t>(w)])]) {
-        return refuse(GraphFallback::kStagingConflict, "target v" + std::to_string(r.value) + " is read at state " +
-                                                           std::to_string(r.state) +
-                                                           " but the replay writes its storage later");
-      }
-    }
-    if (!e.statics[static_cast<size_t>(r.value)].defined()) {
-      return refuse(GraphFallback::kNotInGraph, "target v" + std::to_string(r.value) + " is not held by the graph");
-    }
+  const GraphPrune mask = prune_graph(*call.tape, e.exec->topology(), plan.ops);
+  if (!mask.ok()) {
+    refuse(out, mask.verdict.reason, mask.verdict.detail);
+    return {};
   }
-  for (ValueId v : e.handed) {
-    if (e.referenced(v)) {
-      return refuse(GraphFallback::kOutputsLive,
-                    "v" + std::to_string(v) + " (" + describe_value(tape, v) +
-                        ") from the previous launch of this graph is still referenced (" +
-                        std::to_string(e.statics[static_cast<size_t>(v)].use_count()) + "/" +
-                        std::to_string(e.impl_refs[static_cast<size_t>(v)]) + " tensor, " +
-                        std::to_string(e.statics[static_cast<size_t>(v)].storage().use_count()) + "/" +
-                        std::to_string(e.storage_refs[static_cast<size_t>(v)]) + " storage references)");
-    }
-  }
-  const GraphPrune mask = prune_graph(tape, e.exec->topology(), plan.ops);
-  if (!mask.ok()) return refuse(mask.verdict.reason, mask.verdict.detail);
   const std::string rng = device_->before_launch(*e.exec, e.random_ops, e.payloads, *call.payloads);
-  if (!rng.empty()) return refuse(GraphFallback::kRngMismatch, rng);
+  if (!rng.empty()) {
+    refuse(out, GraphFallback::kRngMismatch, rng);
+    return {};
+  }
 
   struct AfterLaunch {
     capture::GraphDevice& d;
@@ -456,59 +616,13 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const Graph
     ~AfterLaunch() { d.after_launch(x); }
   } after{*device_, *e.exec};
   e.handed.clear();  // what the previous launch handed out is dead (checked above)
-  for (ValueId v : stage_list) {
-    const at::Tensor& dst = e.statics[static_cast<size_t>(v)];
-    const at::Tensor& src = live[static_cast<size_t>(v)];
-    if (same_memory(dst, src)) continue;
-    if (!stage_into(*device_, dst, src)) {
-      return refuse(GraphFallback::kStagingConflict,
-                    "v" + std::to_string(v) + " cannot be staged: its live tensor has another shape or dtype than "
-                    "at the forward, or it overlaps itself");
-    }
-    out.staged_bytes += tensor_bytes(src);
-  }
-  const auto& topo = e.exec->topology();
-  for (size_t n = 0; n < topo.node_count(); ++n) {
-    if (e.applied[n] == mask.enabled[n]) continue;
-    e.exec->set_enabled(static_cast<capture::NodeId>(n), mask.enabled[n] != 0);
-    e.applied[n] = mask.enabled[n];
-  }
-  std::unique_ptr<capture::LaunchTimer> timer;
-  if (options_.time_launches == LaunchTiming::kEvery ||
-      (options_.time_launches == LaunchTiming::kFirst && !e.timing_asked)) {
-    e.timing_asked = true;
-    timer = device_->time_launch(*e.exec, &out.timing_note);
-  }
-  e.exec->launch();
-  out.launched = true;
-  if (timer) {
-    try {
-      capture::OpKernelTimes t = timer->finish(tape.ops().size());
-      out.timed = true;
-      out.timing = timer->kind();
-      out.op_ns = std::move(t.ns);
-      out.unattributed_ns = t.unattributed_ns;
-    } catch (const std::exception& ex) {
-      out.timing_note = std::string("timing the launch failed: ") + ex.what();
-    }
-  }
+  if (!e.stage(*device_, *call.live, stage_list, out)) return {};
+  e.apply(mask);
+  e.launch(*device_, options_.time_launches, call.tape->ops().size(), out);
   out.enabled_nodes = mask.enabled_nodes;
   out.disabled_nodes = mask.disabled_nodes;
   out.ops = plan.ops.size();
-
-  std::unordered_map<ValueId, at::Tensor> result;
-  for (const Read& r : targets) {
-    const auto v = static_cast<size_t>(r.value);
-    if (classify_read(tape, available, r.value, r.state, false) == ReadSource::kLive) {
-      result.emplace(r.value, live[v]);
-    } else {
-      // A fresh TensorImpl over the static storage: whoever holds it shows in the storage's reference count.
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      result.emplace(r.value, at::alias(e.statics[v]));
-      e.handed.push_back(r.value);
-    }
-  }
-  return result;
+  return e.hand_out(call, targets);
 }
 
 std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call, const std::vector<Read>& targets,
@@ -517,26 +631,21 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
   GraphReplayOutcome& out = *outcome;
   out = GraphReplayOutcome{};
   const capture::Tape& tape = *call.tape;
-  const std::vector<uint8_t>& available = *call.available;
-  auto refuse = [&out](GraphFallback reason, std::string detail) {
-    out.reason = reason;
-    out.detail = std::move(detail);
-    return std::unordered_map<ValueId, at::Tensor>{};
-  };
 
   // The key (Note [Graph keys]).
   std::vector<uint8_t> capture_live;
-  const std::vector<uint8_t> tainted = tainted_ops(tape, available, &capture_live);
+  const std::vector<uint8_t> tainted = tainted_ops(tape, *call.available, &capture_live);
   std::vector<OpIndex> graph_ops;
   for (size_t i = 0; i < tainted.size(); ++i) {
     if (!tainted[i]) graph_ops.push_back(static_cast<OpIndex>(i));
   }
   uint64_t constants = 0;
   if (!hash_constants(*call.payloads, graph_ops, &constants)) {
-    return refuse(GraphFallback::kUnsupportedArgs,
-                  "an op of the block has a constant argument that cannot be compared between block calls");
+    refuse(out, GraphFallback::kUnsupportedArgs,
+           "an op of the block has a constant argument that cannot be compared between block calls");
+    return {};
   }
-  Fnv64 key;
+  common::Fnv64 key;
   key.mix(call.signature);
   key.mix(constants);
   for (size_t v = 0; v < capture_live.size(); ++v) {
@@ -544,27 +653,16 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::replay(const GraphCall& call
   }
   Entry& e = *find_or_add(key.value());
   if (e.failed == GraphFallback::kNone && !e.exec) {
-    // Note [Graph RNG] (capture/cuda/graph_device.cpp): a launch gives the graph's random ops the forward's first
-    // offset plus their offsets within the graph. A random op left out of the graph but drawing between two of its
-    // random ops made the forward's later offsets larger than the graph's, and the offset check cannot see it (the
-    // captured call's deltas include it too): such a key is never captured.
-    OpIndex first = -1, last = -1;
-    for (OpIndex i : graph_ops) {
-      if (!tape.op(i).has(OpFlag::kRandom)) continue;
-      if (first < 0) first = i;
-      last = i;
-    }
-    for (OpIndex i = first + 1; first >= 0 && i < last; ++i) {
-      if (tainted[static_cast<size_t>(i)] && tape.op(i).has(OpFlag::kRandom)) {
-        e.failed = GraphFallback::kRngMismatch;
-        e.failed_detail = "random op #" + std::to_string(i) + " (" + capture::op_kind_name(tape.op(i).kind) +
-                          ") cannot be in the graph but draws between its random ops #" + std::to_string(first) +
-                          " and #" + std::to_string(last) + ": the graph's offsets would skip its draws";
-        break;
-      }
+    std::string gap = random_op_left_out(tape, graph_ops, tainted);
+    if (!gap.empty()) {
+      e.failed = GraphFallback::kRngMismatch;
+      e.failed_detail = std::move(gap);
     }
   }
-  if (e.failed != GraphFallback::kNone) return refuse(e.failed, e.failed_detail);
+  if (e.failed != GraphFallback::kNone) {
+    refuse(out, e.failed, e.failed_detail);
+    return {};
+  }
   if (!e.exec && !capture(e, call, graph_ops, capture_live, out)) return {};
   return launch(e, call, targets, plan, out);
 }

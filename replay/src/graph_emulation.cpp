@@ -2,8 +2,8 @@
 #include "tapesac/replay/graph_emulation.h"
 
 #include "tapesac/replay/eager_replayer.h"
+#include "tapesac/common/clock.h"
 
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -65,7 +65,7 @@ class EmulatedExec final : public capture::ExecGraph {
     for (size_t n = 0; n < nodes_.size(); ++n) {
       const Node& node = nodes_[n];
       if (node.op == capture::kUnowned || !enabled_[n]) continue;
-      const auto t0 = std::chrono::steady_clock::now();
+      const common::Stopwatch clock;
       const OpPayload& p = current_->at(static_cast<size_t>(node.op));
       torch::jit::Stack stack(node.args.begin(), node.args.end());
       use_recorded_rng(p, stack, restorer);
@@ -85,8 +85,7 @@ class EmulatedExec final : public capture::ExecGraph {
           timing_->ns.resize(i + 1, 0);
           timing_->records.resize(i + 1, 0);
         }
-        timing_->ns[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-                              .count();
+        timing_->ns[i] += clock.elapsed_ns();
         timing_->records[i] += 1;
       }
     }

@@ -1,7 +1,6 @@
 // The write watcher (see preserve.h).
 #include "tapesac/replay/preserve.h"
 
-#include <chrono>
 #include <cstring>
 #include <optional>
 
@@ -10,8 +9,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "tapesac/capture/op_info.h"
-#include "tapesac/capture/recorder.h"
-#include "tapesac/capture/tape.h"
+#include "tapesac/capture/tensor_identity.h"
+#include "tapesac/common/clock.h"
 
 namespace tapesac::replay {
 
@@ -21,10 +20,7 @@ namespace {
 
 thread_local WriteWatcher* t_watcher = nullptr;
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using common::now_ns;
 
 // Runs tensor code for the watcher itself: below autograd (no graph, no version bumps on new tensors) and unseen by
 // every RecordFunction callback (the recorder must not record it, the watcher must not see itself).
@@ -44,9 +40,7 @@ at::Tensor view_on(const at::Tensor& bytes, int64_t offset, at::IntArrayRef size
   return at::empty({0}, bytes.options().dtype(dtype)).set_(bytes.storage(), offset, sizes, strides);
 }
 
-int64_t tensor_bytes(const at::Tensor& t) {
-  return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()) : 0;
-}
+using capture::view_bytes;
 
 RegionKind region_kind(const char* name, size_t arg) {
   if (arg != 0) return RegionKind::kView;
@@ -228,7 +222,7 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
       // A reader needs the bytes as they are now, and no snapshot holds them yet.
       if (e.last_mark == e.count && (e.snapshots.empty() || e.snapshots.back().first != e.count)) {
         at::Tensor bytes = bytes_of_storage(target).clone();
-        e.stats.held_bytes += tensor_bytes(bytes);
+        e.stats.held_bytes += view_bytes(bytes);
         e.snapshots.emplace_back(e.count, std::move(bytes));
       }
     } else if (!e.broken) {
@@ -257,10 +251,10 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
           break;
       }
       w.old = take(w, target);
-      e.stats.held_bytes += tensor_bytes(w.old) + tensor_bytes(w.index) + tensor_bytes(w.mask);
+      e.stats.held_bytes += view_bytes(w.old) + view_bytes(w.index) + view_bytes(w.mask);
       for (size_t k = 0; k < w.indices.size(); ++k) {
         const std::optional<at::Tensor> i = w.indices.get(k);
-        if (i.has_value()) e.stats.held_bytes += tensor_bytes(*i);
+        if (i.has_value()) e.stats.held_bytes += view_bytes(*i);
       }
       e.writes.push_back(std::move(w));
     }

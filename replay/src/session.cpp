@@ -2,15 +2,10 @@
 #include "tapesac/replay/session.h"
 
 #include "tapesac/capture/op_kinds.h"
-#include "tapesac/capture/recorder.h"
+#include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
 
 namespace tapesac::replay {
-namespace {
-
-int64_t storage_bytes(const at::Tensor& t) { return t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
-
-}  // namespace
 
 Session::Session(SessionOptions options) : options_(std::move(options)) {
   if (!options_.device_memory) options_.device_memory = capture::cuda_device_memory();
@@ -27,9 +22,9 @@ int64_t Session::baseline_of(const std::vector<at::Tensor>& params) {
     if (!p.defined()) continue;
     const void* key = capture::storage_key(p);
     param_storages_.insert(key);
-    if (counted.insert(key).second) baseline += storage_bytes(p);
+    if (counted.insert(key).second) baseline += capture::storage_bytes(p);
     const at::Tensor& g = p.grad();
-    if (g.defined() && g.has_storage() && counted.insert(capture::storage_key(g)).second) baseline += storage_bytes(g);
+    if (g.defined() && g.has_storage() && counted.insert(capture::storage_key(g)).second) baseline += capture::storage_bytes(g);
   }
   if (graphs_) baseline += graphs_->static_bytes();  // captured graphs hold their static tensors between steps
   return baseline;

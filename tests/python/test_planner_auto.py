@@ -172,6 +172,12 @@ def test_frontier_cli_smoke(tmp_path, capsys) -> None:
                      "--json", str(js)]) == 0
     out = capsys.readouterr().out
     assert "planner frontier" in out and "torch.utils.checkpoint" in out and "tapesac auto" in out
+    # One definition of peak, stated once; no benchmark table (its own peak column) and no path of a deleted file.
+    assert out.count("(peak: step peak = ") == 1 and "x nockpt" not in out, out
+    import tempfile
+
+    rest = out.replace(str(tmp_path), "")  # the files this test asked for
+    assert tempfile.gettempdir() not in rest and "bench.json" not in out, out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import json
 

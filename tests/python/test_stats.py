@@ -62,4 +62,23 @@ def test_str_is_one_short_line_and_repr_has_every_field(tapesac) -> None:
     assert "step 1" in text and "policy full" in text and "dropped" in text
     assert str(st.blocks[0]).startswith("BlockStats(blocks.0:")
     assert "graph_fallback_reasons=" in repr(st)
-    assert "StepStats" in tapesac.StepStats.__doc__ and "unpacks:" in tapesac.StepStats.__doc__
+    assert "unpacks:" in tapesac.StepStats.__doc__ and "unpacks:" in tapesac.BlockStats.__doc__
+
+
+def test_print_last_step_of_two_hf_layers_is_one_line(tapesac, capsys) -> None:
+    """What the README suggests, `print(sac.last_step)`, on a two-layer HF model: one line, not the dataclass repr."""
+    import torch
+
+    model = M.hf_qwen3(2)
+    sac = tapesac.TapeSAC(model, blocks="model.layers.*", policy="full")
+    ids = torch.randint(0, M.HF_VOCAB, (M.B, M.T))
+    with sac.step():
+        M.hf_loss(model, ids).backward()
+    print(sac.last_step)
+    print(sac.last_step.blocks[1])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(len(line) < 200 for line in lines), lines
+    assert lines[0].startswith("StepStats(step 1, policy full, 2 block calls") and "peak" in lines[0], lines
+    assert lines[1].startswith("BlockStats(model.layers.1: saved "), lines
+    assert len(repr(sac.last_step)) > 10 * len(lines[0])  # the repr keeps every field
+    sac.close()

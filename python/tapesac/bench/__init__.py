@@ -16,7 +16,7 @@
 #   sizes.py     Size, SIZES, ARCHS, build_model, describe_model, model_bytes, Workload
 #   variants.py  Variant, Ctx, checkpointed_blocks, the torchtitan SAC policy, the variant factories
 #   measure.py   PeakMeter, run_once and compare (validation), tapesac telemetry and graph readings, jsonable
-#   run.py       bench_workload: validate and measure every variant, time them, ratios; Progress
+#   run.py       bench_workload: validate and measure every variant, time them, ratios (progress: ../progress.py)
 #   long.py      the long mode: Trainer, LONG_VARIANT_FACTORIES, run_long
 #   render.py    format_table, format_long, plot_plane, plot_long
 #   cli.py       build_parser, main

@@ -1,14 +1,16 @@
-# tapesac.bench.cli — the command line of the suite: `python -m tapesac bench ...` and `tapesac.bench.main(argv)`.
+# tapesac.bench.cli — the command line of the suite: `tapesac bench ...` and `tapesac.bench.main(argv)`.
 #
 # Contract:
-# - `main(argv) -> int`: parses `build_parser()`'s options, runs the step suite on every (--size, --models)
-#   workload and, with --train-steps, the long mode; prints a table per workload and a summary line, writes --json
+# - `add_arguments(parser)` and `run(args) -> int` are the `bench` command of tapesac.cli; `main(argv) -> int` runs
+#   `tapesac bench argv...` through it (one-line errors). `run_suite(args, echo=True) -> (status, report)` is the
+#   work: the step suite on every (--size, --models) workload and, with --train-steps, the long mode; with `echo` it
+#   prints a table per workload and a summary line (progress goes to stderr unless --quiet); it writes --json
 #   (schema_version, environment, args, memory method, workloads, long, elapsed) and --plot / --train-plot.
 #   `--from-json PATH` runs nothing: it reprints the tables and redraws the plots of a saved run.
 # - Exit status 1 when a required variant is invalid or crashed, or --variants names no variant of the suite.
 # - The suite's factories are read from the package (`tapesac.bench.VARIANT_FACTORIES`,
 #   `tapesac.bench.LONG_VARIANT_FACTORIES`) when main runs, so a caller that replaces them runs its own suite.
-# - CPU runs use one intra-op thread unless --threads says otherwise; main() restores torch's thread count and
+# - CPU runs use one intra-op thread unless --threads says otherwise; run_suite() restores torch's thread count and
 #   deterministic-algorithms flag when it returns (tests call it in-process). HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE
 #   and CUBLAS_WORKSPACE_CONFIG are set (when unset) on the first run, not at import.
 from __future__ import annotations
@@ -18,6 +20,7 @@ import copy
 import dataclasses
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -28,20 +31,27 @@ import torch
 
 from . import harness
 from .long import run_long
-from .measure import PeakMeter, jsonable
+from .measure import PEAK_DEFINITION, PeakMeter, jsonable
 from .render import format_long, format_table, plot_long, plot_plane
-from .run import Progress, bench_workload
+from ..progress import Progress
+from .run import bench_workload
 from .sizes import ARCHS, SIZES, Workload, build_model, describe_model
 
 SCHEMA_VERSION = 1
 
 
+DESCRIPTION = ("One training step of HF Qwen3 / Qwen3-MoE / Llama under no checkpointing, torch.utils.checkpoint, "
+               "PyTorch SAC, torch.compile's memory budget and tapesac, side by side.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The options of `python -m tapesac bench` (see --help)."""
-    p = argparse.ArgumentParser(
-        prog="python -m tapesac bench",
-        description="One training step of HF Qwen3 / Qwen3-MoE / Llama under no checkpointing, "
-                    "torch.utils.checkpoint, PyTorch SAC, torch.compile's memory budget and tapesac, side by side.")
+    """The options of `tapesac bench` (see --help)."""
+    p = argparse.ArgumentParser(prog="tapesac bench", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=",".join(ARCHS), help=f"comma-separated: {','.join(ARCHS)} (default all)")
     p.add_argument("--size", default=None,
                    help=f"comma-separated sizes: {','.join(SIZES)} (default: gpu1b with CUDA, else small,medium)")
@@ -77,18 +87,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "halfway between full checkpointing's measured peak and no checkpointing's)")
     g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the long mode (default 1e-3)")
     g.add_argument("--val-batches", type=int, default=8, help="validation batches (persuasion) (default 8)")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the suite (and the long mode); restores torch's thread count and determinism flag afterwards."""
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    """``tapesac bench argv...`` (one-line errors; see tapesac.cli)."""
+    from ..cli import run_module
+
+    return run_module("bench", argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_suite(args)[0]
+
+
+def run_suite(args: argparse.Namespace, echo: bool = True) -> tuple[int, dict[str, Any]]:
+    """Runs the suite (and the long mode): (exit status, the report the JSON holds). Restores torch's thread count
+    and determinism flag afterwards."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    log = logging.getLogger("tapesac")
+    log.addFilter(_expected_conflicts)
     try:
-        return _main(args)
+        return _main(args, echo)
     finally:
+        log.removeFilter(_expected_conflicts)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
+
+
+def _expected_conflicts(record: logging.LogRecord) -> bool:
+    """The suite runs every tool on one model by design: several TapeSACs on it, and the other tools' steps outside
+    theirs. Those two conflict warnings (conflicts.py) say nothing here; every other warning passes."""
+    return getattr(record, "tapesac_key", None) not in ("second", "outside")
 
 
 def _replot(args: argparse.Namespace) -> int:
@@ -159,9 +188,10 @@ def _failures(w: dict[str, Any]) -> list[str]:
     return bad
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, echo: bool) -> tuple[int, dict[str, Any]]:
     if args.from_json:
-        return _replot(args)
+        return _replot(args), json.loads(Path(args.from_json).read_text())
+    say = print if echo else (lambda *a, **k: None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     # cuBLAS is deterministic under use_deterministic_algorithms only with a fixed workspace, set before CUDA starts.
@@ -173,11 +203,11 @@ def _main(args: argparse.Namespace) -> int:
     progress = Progress(enabled=not args.quiet)
     env = harness.environment()
     meter = PeakMeter(cuda and any(SIZES[s].device == "cuda" for s in sizes))
-    print(f"tapesac bench: torch {env['torch']}, transformers {env['transformers']}, {env['device']}, "
-          f"{env['threads']} threads, {harness.describe_provenance(env)}")
+    say(f"tapesac bench: torch {env['torch']}, transformers {env['transformers']}, {env['device']}, "
+        f"{env['threads']} threads, {harness.describe_provenance(env)}")
     if sizes:
-        print(f"{args.rounds} timed rounds after {args.warmup} warm-up round(s), order rotating; peak memory: "
-              f"{meter.method}")
+        say(f"{args.rounds} timed rounds after {args.warmup} warm-up round(s), order rotating; peak memory: "
+            f"{meter.method}")
     report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "benchmark": "bench_step", "environment": env,
                               "args": vars(args), "memory_method": meter.method, "workloads": []}
     bad: list[str] = []
@@ -188,33 +218,33 @@ def _main(args: argparse.Namespace) -> int:
             work = _workload(s, arch, args)
             w = bench_workload(work, args, tapesac, meter, progress, _package().VARIANT_FACTORIES)
             progress.done()
-            print(format_table(w), flush=True)
+            say(format_table(w), flush=True)
             report["workloads"].append(w)
             bad += _failures(w)
             del work
             gc.collect()
     if report["workloads"]:
-        print("\n(step ms: median over rounds, IQR; x nockpt / x ckpt: median of per-round ratios to no checkpointing "
-              "/ torch.utils.checkpoint; peak: bytes above step entry; recompute: tapesac measured replay time, "
-              "'est' = median step - median no-checkpoint step)")
+        say(f"\n(step ms: median over rounds, IQR; x nockpt / x ckpt: median of per-round ratios to no checkpointing "
+            f"/ torch.utils.checkpoint; peak: {PEAK_DEFINITION}; recompute: tapesac measured replay time, 'est' = "
+            f"median step - median no-checkpoint step)")
     if args.train_steps:
         progress("long mode: starting", force=True)
         report["long"] = run_long(args, tapesac, progress, _package().LONG_VARIANT_FACTORIES)
         progress.done()
-        print(format_long(report["long"]))
+        say(format_long(report["long"]))
         if args.train_plot:
             plot_long(report["long"], args.train_plot)
-            print(f"wrote {args.train_plot}")
+            say(f"wrote {args.train_plot}")
     report["elapsed_s"] = time.perf_counter() - t_all
-    print(f"\n{report['elapsed_s']:.1f} s")
+    say(f"\n{report['elapsed_s']:.1f} s")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(jsonable(report), indent=1) + "\n")
-        print(f"wrote {path}")
+        say(f"wrote {path}")
     if args.plot and report["workloads"]:
         plot_plane(report, args.plot)
-        print(f"wrote {args.plot}")
+        say(f"wrote {args.plot}")
     for b in bad:
         print(f"FAILED {b}", file=sys.stderr)
-    return 1 if bad else 0
+    return (1 if bad else 0), report

@@ -8,8 +8,8 @@
 # - Reported per run: the loss curve and whether it is bitwise equal to the first run's, step times (total, median,
 #   statistics, paired ratios), validation loss on held-out text before and after, and for tapesac the replay time
 #   and its own step peaks (steps over the limit counted when the limit is in bytes).
-# - The limit: --memory-limit when given; on CUDA "90%"; on CPU the step baseline plus the peak halfway between full
-#   checkpointing's and no checkpointing's, measured on one batch (`long_limit`).
+# - The limit: --memory-limit when given; on CUDA "90%"; on CPU the step peak halfway between full checkpointing's
+#   and no checkpointing's, measured on one batch (`long_limit`).
 from __future__ import annotations
 
 import argparse
@@ -26,7 +26,7 @@ from torch import nn
 from . import harness
 from .measure import PeakMeter
 from .run import Progress
-from .sizes import SIZES, MiB, Size, build_model, describe_model, model_bytes
+from .sizes import SIZES, MiB, Size, build_model, describe_model
 from .variants import CKPT, NOCKPT, checkpointed_blocks
 
 
@@ -80,9 +80,9 @@ def long_limit(args: argparse.Namespace, base: nn.Module, data: Any, size: Size)
     """tapesac auto's memory_limit in the long mode, and how it was chosen.
 
     --memory-limit when given. Otherwise on CUDA "90%" of device memory (where no checkpointing does not fit), and
-    on CPU, where nothing runs out of memory, the step baseline (parameters, buffers) plus the peak halfway between
-    full checkpointing's and no checkpointing's, measured on the first batch (a limit under which full
-    checkpointing is the conventional choice and auto can spend the slack on keeping tensors)."""
+    on CPU, where nothing runs out of memory, the step peak halfway between full checkpointing's and no
+    checkpointing's, measured on the first batch (a limit under which full checkpointing is the conventional choice
+    and auto can spend the slack on keeping tensors)."""
     if args.memory_limit is not None:
         return args.memory_limit, "--memory-limit"
     if size.device.startswith("cuda"):
@@ -100,10 +100,10 @@ def long_limit(args: argparse.Namespace, base: nn.Module, data: Any, size: Size)
 
     peaks = {}
     for name, fn in (("nockpt", plain), ("ckpt", ckpt)):
-        peaks[name] = meter.measure(fn)
+        peaks[name] = meter.step_peak(fn, model)[0]
         model.zero_grad(set_to_none=True)
-    limit = model_bytes(base) + peaks["ckpt"] + (peaks["nockpt"] - peaks["ckpt"]) // 2
-    return limit, (f"parameters+buffers + halfway between ckpt's peak ({peaks['ckpt'] / MiB:.1f} MiB) and nockpt's "
+    limit = peaks["ckpt"] + (peaks["nockpt"] - peaks["ckpt"]) // 2
+    return limit, (f"halfway between ckpt's step peak ({peaks['ckpt'] / MiB:.1f} MiB) and nockpt's "
                    f"({peaks['nockpt'] / MiB:.1f} MiB) on one batch, measured with {meter.method.split(' (')[0]}")
 
 

@@ -3,7 +3,8 @@
 # Contract:
 # - `PeakMeter(cuda).measure(fn) -> int`: peak bytes above the level at entry of one call of `fn`, measured by
 #   tapesac.MemoryMeter: on CUDA torch.cuda.max_memory_allocated after reset_peak_memory_stats, on CPU the counting
-#   CPU allocator. `method` says which, for the printout and the JSON.
+#   CPU allocator. `method` says which, for the printout and the JSON. `step_peak(fn, model)` adds the level at
+#   entry: the step peak (PEAK_DEFINITION, the one definition of "peak" that tapesac prints).
 # - `run_once(v, work, seed) -> Snapshot`: one step of a variant from `seed` (under deterministic algorithms on
 #   CUDA), its loss and cloned gradients; the gradients are zeroed afterwards (set_to_none).
 # - `compare(got, want, rtol) -> (valid, detail, max relative diff)`: loss and every parameter gradient; rtol None
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 
 from ..memory import MemoryMeter
-from .sizes import Workload
+from .sizes import Workload, model_bytes
 from .variants import Variant
 
 # torch.compile reorders and fuses float reductions (RMSNorm means, softmax, matmul epilogues), so its loss and
@@ -41,21 +43,36 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+# The one definition of a step's peak memory, wherever tapesac prints one: StepStats.memory.peak_bytes, StepReport,
+# the trainer integrations' tapesac/peak_mib, `tapesac bench` and `tapesac frontier`.
+PEAK_DEFINITION = ("step peak = the most tensor memory alive at once in the step, counting what was alive when it "
+                   "started (CPU: the model's parameters and buffers; CUDA: all allocated memory)")
+
+
 class PeakMeter:
     """Peak bytes above the level at entry of one call, by tapesac.MemoryMeter on the workload's device (CUDA: the
-    caching allocator's max_memory_allocated; CPU: the counting allocator). `method` says which."""
+    caching allocator's max_memory_allocated; CPU: the counting allocator). `method` says which. `step_peak` adds
+    the level at entry (PEAK_DEFINITION)."""
 
     def __init__(self, cuda: bool) -> None:
         self.device = "cuda" if cuda else "cpu"
         if cuda:
-            self.method = "torch.cuda.max_memory_allocated (delta over memory_allocated at step entry)"
+            self.method = "torch.cuda.max_memory_allocated (step peak: memory_allocated at entry + the peak above it)"
         else:
-            self.method = "tapesac.MemoryMeter (counting CPU allocator, peak above the level at step entry)"
+            self.method = ("tapesac.MemoryMeter (counting CPU allocator; step peak: the model's parameters and buffers "
+                           "+ the peak above the level at entry)")
 
     def measure(self, fn: Callable[[], Any]) -> int:
+        """Peak bytes above the level at entry of `fn()`."""
         with MemoryMeter(self.device) as m:
             fn()
         return int(m.peak_bytes)
+
+    def step_peak(self, fn: Callable[[], Any], model: nn.Module) -> tuple[int, int]:
+        """(the step peak of `fn()` per PEAK_DEFINITION, its peak above the level at entry)."""
+        entry = torch.cuda.memory_allocated() if self.device == "cuda" else model_bytes(model)
+        above = self.measure(fn)
+        return entry + above, above
 
 
 def telemetry_memory(stats: Any) -> tuple[dict[str, Any], int]:

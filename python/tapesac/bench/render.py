@@ -16,6 +16,7 @@ import math
 import statistics
 from typing import Any
 
+from ..plotting import pyplot
 from .sizes import MiB
 
 
@@ -54,10 +55,7 @@ def plot_plane(report: dict[str, Any], path: str) -> None:
 
     Each variant has one marker (shape by tool: circle baseline, square PyTorch, diamond compile, triangle
     tapesac) and one colour in every panel; one legend names them (labels next to points overlap too often)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the benchmark's plots")
 
     works = report["workloads"]
     n = max(1, len(works))
@@ -80,7 +78,7 @@ def plot_plane(report: dict[str, Any], path: str) -> None:
             handles.setdefault(name, h)
         ax.set_title(f"{w['name']} (b{w['batch']}×s{w['seq']})", fontsize=9)
         ax.set_xlabel("step time / no checkpointing (median of paired rounds)", fontsize=8)
-        ax.set_ylabel("peak memory above step entry (MiB)", fontsize=8)
+        ax.set_ylabel("step peak (MiB)", fontsize=8)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
     for ax in list(axes.flat)[len(works):]:
@@ -95,10 +93,7 @@ def plot_plane(report: dict[str, Any], path: str) -> None:
 
 def plot_long(long: dict[str, Any], path: str) -> None:
     """Two panels: train loss (mean of the last 10 steps) and cumulative step time, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the benchmark's plots")
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, r in long["runs"].items():

@@ -9,8 +9,10 @@
 #   every other variant runs `prime_steps` discarded steps, then one step compared with the baseline: bitwise for
 #   exact variants, COMPILE_RTOL for torch.compile; a checkpoint variant must run each block's forward twice; tapesac
 #   "none" must drop nothing, "full" must drop and replay, cuda_graph must launch graphs. An invalid variant is
-#   reported and never timed or measured.
-# - Peak memory: one more step per valid variant, under `meter`. Timing: harness.interleaved_rounds (warm-up,
+#   reported and never timed or measured. A tapesac variant with a memory limit that tapesac declines
+#   (MemoryLimitError: infeasible on the workload) is skipped with that reason.
+# - Peak memory: one more step per valid variant, under `meter`: `peak_bytes` is the step peak (PEAK_DEFINITION),
+#   `peak_above_entry_bytes` the part above the level at entry. Timing: harness.interleaved_rounds (warm-up,
 #   rotating order, gc off); a variant that raises while timed becomes an error and leaves the rounds.
 # - Ratios: medians of per-round ratios to nockpt and ckpt (paired), and ratios of medians and of minima; recompute
 #   time: tapesac's measured replay_ms, else median step - median nockpt step (labelled an estimate).
@@ -19,46 +21,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..progress import Progress
 from . import harness
 from .measure import (COMPILE_RTOL, DEVICE_RTOL, PeakMeter, Snapshot, compare, graph_launch_times, graph_stats,
                       jsonable, run_once, sync, telemetry_memory)
 from .sizes import Workload
 from .variants import CKPT, NOCKPT, Ctx, Variant, nockpt_variants, tapesac_variants
-
-
-class Progress:
-    """One status line on stderr: rewritten in place on a terminal, else printed at most every `every` seconds."""
-
-    def __init__(self, enabled: bool = True, every: float = 10.0) -> None:
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.every = every
-        self.last = 0.0
-        self.t0 = time.perf_counter()
-
-    def __call__(self, text: str, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        line = f"[bench {now - self.t0:6.0f}s] {text}"
-        if self.tty:
-            sys.stderr.write("\r\033[K" + line)
-            sys.stderr.flush()
-        elif force or now - self.last >= self.every:
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-            self.last = now
-
-    def done(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
 
 
 def short_error(e: BaseException) -> str:
@@ -119,16 +92,18 @@ def _measure_peak(v: Variant, ctx: Ctx, meter: PeakMeter, res: dict[str, Any]) -
         with (v.context() if v.context else contextlib.nullcontext()):
             v.step()
 
-    peak = meter.measure(one)
-    _model_of(v, ctx.work).zero_grad(set_to_none=True)
-    res["peak_bytes"] = peak
-    if "limit_above_entry_bytes" in v.info:
-        res["within_limit"] = peak <= v.info["limit_above_entry_bytes"]
+    model = _model_of(v, ctx.work)
+    peak, above = meter.step_peak(one, model)
+    model.zero_grad(set_to_none=True)
+    res["peak_bytes"] = peak  # the step peak (PEAK_DEFINITION)
+    res["peak_above_entry_bytes"] = above
+    if "memory_limit_bytes" in v.info:
+        res["within_limit"] = peak <= v.info["memory_limit_bytes"]
     if v.sac is not None:
         res["telemetry_memory"], tel_peak = telemetry_memory(v.sac.last_step)
         res["telemetry_peak_bytes"] = tel_peak
         if tel_peak:
-            res["telemetry_peak_ratio_to_measured"] = tel_peak / peak if peak else None
+            res["telemetry_peak_ratio_to_measured"] = tel_peak / above if above else None
 
 
 def _validate_and_measure(v: Variant, ctx: Ctx, ref: Snapshot | None, rtol_exact: float | None,
@@ -157,6 +132,11 @@ def _validate_and_measure(v: Variant, ctx: Ctx, ref: Snapshot | None, rtol_exact
         return True
     except Exception as e:  # one broken variant must not stop the suite
         _model_of(v, work).zero_grad(set_to_none=True)
+        if "memory_limit_bytes" in v.info and isinstance(e, ctx.tapesac.MemoryLimitError):
+            # tapesac declining a limit it cannot meet on this workload (DESIGN: an infeasible limit fails fast and
+            # names the smallest feasible one) is an answer about the limit the suite chose, not a failure.
+            res["status"], res["reason"] = "skipped", f"limit infeasible on this workload: {short_error(e)}"
+            return False
         res["status"], res["reason"] = "error", short_error(e)
         return False
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .sizes import MiB, Workload, model_bytes
+from .sizes import MiB, Workload
 
 NOCKPT, CKPT = "nockpt", "ckpt"
 
@@ -75,6 +75,7 @@ class Ctx:
     args: argparse.Namespace
     tapesac: Any
     results: dict[str, dict[str, Any]]
+    floor: int | None = None  # tapesac's smallest feasible step peak, once a factory measured it (_tapesac_floor)
 
     @property
     def cuda(self) -> bool:
@@ -299,39 +300,54 @@ def tapesac_variants(ctx: Ctx) -> list[Variant]:
     ]
 
 
-def _entry_bytes(ctx: Ctx) -> int:
-    """The step baseline a memory_limit includes (tapesac.memory): CPU, the bytes of parameters and buffers
-    (gradients are None at step entry); CUDA, all memory allocated at entry."""
-    return torch.cuda.memory_allocated() if ctx.cuda else model_bytes(ctx.work.model)
+def _tapesac_floor(ctx: Ctx, above: int) -> int:
+    """tapesac's smallest feasible step peak on the workload: the first limit of the planner's frontier after one
+    measuring step under a generous limit (`above`). A memory_limit below it raises MemoryLimitError."""
+    sac = ctx.tapesac.TapeSAC(ctx.work.model, blocks="model.layers.*", policy="auto", memory_limit=int(above))
+    try:
+        torch.manual_seed(ctx.args.seed)
+        with sac.step():
+            ctx.work.loss().backward()
+        return int(sac.frontier(points=2).planned[0]["limit_bytes"])
+    finally:
+        ctx.work.model.zero_grad(set_to_none=True)
+        sac.close()
 
 
-def _limit_targets(ctx: Ctx) -> list[tuple[str, int, int]]:
-    """(label, memory_limit bytes, the limit above the step baseline) for tapesac auto at fractions of the way
-    from ckpt's peak to nockpt's. memory_limit bounds the whole step peak, so the limit adds the step baseline."""
+def _limit_targets(ctx: Ctx) -> tuple[list[tuple[str, int]], str]:
+    """(label, memory_limit bytes) for tapesac auto at fractions of the way from the lowest step peak tapesac can
+    promise — ckpt's measured step peak, or tapesac's own floor when that is higher — to nockpt's; or no targets and
+    why. All are step peaks (measure.PEAK_DEFINITION), the quantity memory_limit bounds."""
     res = ctx.results
     lo, hi = res.get(CKPT, {}).get("peak_bytes"), res.get(NOCKPT, {}).get("peak_bytes")
     if not lo or not hi:
-        return []
-    entry = _entry_bytes(ctx)
+        return [], "needs the measured peaks of nockpt and ckpt"
+    floor = ctx.floor = _tapesac_floor(ctx, 4 * hi)
+    if floor >= hi:
+        return [], (f"tapesac's smallest feasible step peak on this workload ({floor / MiB:.2f} MiB: the least every "
+                    f"block keeps plus one block's replay) is not below no checkpointing's ({hi / MiB:.2f} MiB): no "
+                    f"limit between ckpt's peak and nockpt's is feasible")
+    lo = max(lo, floor)
     fracs = [float(f) for f in ctx.args.auto_fractions.split(",") if f.strip()]
-    return [(f"{f:g}", int(entry + lo + f * (hi - lo)), int(lo + f * (hi - lo))) for f in fracs]
+    return [(f"{f:g}", int(lo + f * (hi - lo))) for f in fracs], ""
 
 
 def tapesac_auto_variants(ctx: Ctx) -> list[Variant]:
-    """tapesac policy="auto" under several memory limits (between full checkpointing's peak and no checkpointing's),
-    each primed two steps (step 1 runs "full" while measuring, the plan applies from step 2)."""
-    targets = _limit_targets(ctx)
+    """tapesac policy="auto" under several memory limits (from the lowest step peak tapesac can promise — full
+    checkpointing's, or tapesac's own floor when higher — to no checkpointing's), each primed two steps (step 1 runs
+    "full" while measuring, the plan applies from step 2). None when no such limit is feasible (a skipped entry says
+    why)."""
+    targets, why = _limit_targets(ctx)
     if not targets:
-        return [_placeholder("tapesac_auto", 'tapesac policy="auto"', "tapesac", "skipped",
-                             "needs the measured peaks of nockpt and ckpt")]
+        return [_placeholder("tapesac_auto", 'tapesac policy="auto"', "tapesac", "skipped", why)]
     out = []
-    for frac, limit, above in targets:
+    for frac, limit in targets:
         v = _tapesac_variant(ctx, f"tapesac_auto_{frac}", f'tapesac auto, limit {limit / MiB:.0f} MiB ({frac})',
                              policy="auto", memory_limit=limit)
         v.optional = True
         v.prime_steps = 2
         v.info["limit_fraction"] = float(frac)
-        v.info["limit_above_entry_bytes"] = above  # comparable with the measured peak
+        v.info["memory_limit_bytes"] = limit  # comparable with the measured step peak
         out.append(v)
     return out
 
@@ -342,10 +358,14 @@ def tapesac_auto_at_sac_peak_variants(ctx: Ctx) -> list[Variant]:
     sac_peak = ctx.results.get("torch_sac", {}).get("peak_bytes")
     if not sac_peak:
         return [_placeholder(name, label, "tapesac", "skipped", "needs PyTorch SAC's measured peak")]
-    v = _tapesac_variant(ctx, name, label, policy="auto", memory_limit=int(_entry_bytes(ctx) + sac_peak))
+    if ctx.floor is not None and sac_peak < ctx.floor:
+        return [_placeholder(name, label, "tapesac", "skipped",
+                             f"PyTorch SAC's step peak ({sac_peak / MiB:.2f} MiB) is below tapesac's smallest feasible "
+                             f"step peak on this workload ({ctx.floor / MiB:.2f} MiB)")]
+    v = _tapesac_variant(ctx, name, label, policy="auto", memory_limit=int(sac_peak))
     v.optional = True
     v.prime_steps = 2
-    v.info["limit_above_entry_bytes"] = int(sac_peak)
+    v.info["memory_limit_bytes"] = int(sac_peak)
     return [v]
 
 

@@ -30,6 +30,9 @@
 #include "tapesac/capture/op_timer.h"
 #include "tapesac/capture/ptr_index_map.h"
 #include "tapesac/capture/tape.h"
+// Not needed by this header: kept while replay's block_call, contract and session sources and bind_replay.cpp reach
+// storage_key / detached_alias through it (they should include tensor_identity.h themselves).
+#include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::capture {
 
@@ -184,14 +187,6 @@ class Recorder {
   // Per-thread cache from RecordFunction::name() (stable per schema) to OpInfo.
   std::unordered_map<const char*, const OpInfo*> info_by_name_;
 };
-
-/// A detached alias of `t` (shares storage and version counter, no autograd metadata) made without dispatching,
-/// so that holding it creates no reference cycle with the autograd graph and records nothing.
-at::Tensor detached_alias(const at::Tensor& t);
-
-/// The identity of `t`'s allocation: its StorageImpl, or the TensorImpl itself for tensors without storage
-/// (sparse, nested, some wrappers), which then carry no aliasing information.
-const void* storage_key(const at::Tensor& t);
 
 /// TensorMeta of `t`.
 TensorMeta meta_of(const at::Tensor& t);

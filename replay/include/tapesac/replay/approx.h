@@ -18,14 +18,18 @@
 // contribution: the sketch is unbiased (E[w_j] = 1) and greedy is not. README, "Approximate rematerialization", has
 // the derivation. The forward (and so the loss) is never changed.
 //
-// What is not matched is replayed exactly: a match is used only when every value of the component that autograd
-// saved was dropped (none kept by the policy), its values have no reader outside the pattern and no storage of it is
-// written in place. A dropped value whose replay would read the component's output (e.g. the residual stream after
-// attention, read by the next norm) is kept instead (ApproxPlan::keep), so that replay never reads an approximation.
+// What is not matched is replayed exactly: a match is used only when autograd saved the input of its output
+// projection (down / o) and every value of the component that autograd saved was dropped (none kept by the
+// policy), its values have no reader outside the pattern and no storage of it is written in place. A dropped value
+// whose replay would read the component's output (e.g. the residual stream after attention, read by the next norm)
+// is kept instead (prepare() appends it to `keep`), so that replay never reads an approximation.
 //
-// Randomness: a private std::mt19937_64 per block call, seeded from (seed, step, call index); torch's generators are
-// never touched. Not thread-safe: one Approx per Session, used on the forward thread (prepare) and under the
-// BlockCall's lock (run/finish).
+// Randomness: a private std::mt19937_64 per approximated component, seeded from (seed, step, block call index,
+// component index); torch's generators are never touched. Not thread-safe: one Approx per Session, used on the
+// forward thread (prepare) and under the BlockCall's lock (run/finish).
+//
+// Sources: approx_match.cpp (tape matching), approx_prepare.cpp (unit sampling, prepare()), approx_replay.cpp
+// (BlockApprox::run/finish, the replay override).
 #pragma once
 
 #include <cstdint>
@@ -174,7 +178,8 @@ struct ApproxInput {
   const std::vector<int32_t>& state;
 };
 
-/// The approximation state of one Session: options, the step counter (for seeding) and the per-call preparation.
+/// The approximation state of one Session: options, the step counter (for seeding) and the per-call preparation
+/// (approx_prepare.cpp).
 class Approx {
  public:
   explicit Approx(ApproxOptions options);
@@ -188,6 +193,16 @@ class Approx {
                                        ApproxStats& stats);
 
  private:
+  struct Call;  // one prepare() call
+  /// prepare()'s step per matched component: rejected (counted as skipped), recomputed whole, or added to the
+  /// call's BlockApprox with its sampled units.
+  void add_mlp(Call& c, MlpMatch& m) const;
+  void add_attention(Call& c, AttnMatch& m) const;
+  /// Seed of the unit sampling of the `component`-th component (1-based) of block call `call` in this step.
+  uint64_t seed_for(uint64_t call, uint64_t component) const;
+  /// Units recomputed out of `n`: round(fraction * n), clamped to [1, n].
+  int64_t units_to_recompute(int64_t n) const;
+
   ApproxOptions options_;
   uint64_t step_ = 0;
   uint64_t call_ = 0;

@@ -131,6 +131,7 @@ class GraphCache {
  private:
   struct Entry;
   Entry* find_or_add(uint64_t key);
+  bool ready_to_capture(Entry& e, const GraphCall& call, GraphReplayOutcome& out);
   bool capture(Entry& e, const GraphCall& call, const std::vector<capture::OpIndex>& graph_ops,
                const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out);
   std::unordered_map<capture::ValueId, at::Tensor> launch(Entry& e, const GraphCall& call,

@@ -4,12 +4,15 @@
 // the step writes one of them in place after the block's forward (a memory bank updated in a few rows, a queue
 // rotated, an input modified), the replay would see different bytes than the forward did. The WriteWatcher sees
 // every top-level in-place op on the stepping thread while it is installed; for a storage some block's replay will
-// read (watch()), it saves, just before the write, what restore() needs to rebuild a private copy of the bytes the
-// forward saw:
-//   * kRegions: only the region the op overwrites (the written view; or the rows of index_put_/index_copy_/
-//     index_fill_/index_add_, the gathered entries of scatter_*, the masked entries of masked_fill_/masked_scatter_),
-//     undone in reverse order on a copy of the current bytes at replay;
-//   * kSnapshots: the whole storage, copied at its first write after a block read it.
+// read (watch()), it saves, just before the write, what restore() needs to give the replay the bytes the forward
+// saw:
+//   * kRegions: only the old entries of the region the op overwrites (the written view; or the rows of index_put_/
+//     index_copy_/index_fill_/index_add_/index_reduce_, the gathered entries of scatter_*, the masked entries of
+//     masked_fill_/masked_scatter_). At replay they are swapped back into the storage itself, newest write first,
+//     and the step's entries are put back when the replay is done (Swap): only the regions are copied, never the
+//     storage, and replays that swap are serialized;
+//   * kSnapshots: the whole storage, copied at its first write after a block read it; the replay reads a view of
+//     that snapshot instead of the tensor (no further copy).
 // The watcher sees writes while forwards run and between the forward and the backward (where a step updates a
 // bank or a queue); it pauses when the backward starts (seeing writes costs a boxed copy of every op's arguments) and
 // resumes when a block's forward starts again. The version counter guards completeness:

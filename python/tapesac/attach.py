@@ -1,0 +1,102 @@
+"""The step-free mode: ``sac.attach(optimizer)`` delimits steps without a ``with`` block, for code that cannot wrap
+its training step (trainers, callbacks, loops owned by a library).
+
+Contract:
+- A step starts at the first block forward with gradients enabled while no step is open (a forward pre-hook on each
+  block, run before any other hook of the block), and ends at the next ``optimizer.step()`` (a step pre-hook on the
+  optimizer), at ``end_step()``, or at ``detach()``. Everything between — forward, backward, several of each with
+  gradient accumulation — is one step, exactly as inside ``with sac.step():``.
+- A backward that reaches tensors saved in a step that has already ended (e.g. ``optimizer.step()`` ran between a
+  forward and its backward) raises TapeSACError naming the block: a backward cannot span two steps.
+- Forwards without gradients (evaluation) start nothing. While a ``with sac.step():`` block is open the hooks stand
+  aside. ``detach()`` (also ``sac.close()`` and leaving ``with sac.attach(...)``) ends an open step and removes the
+  hooks; the model and the optimizer are left as they were.
+- The trainer callbacks (tapesac.integrations) use this without an optimizer and call ``end_step()`` after each
+  backward, which makes every micro-batch of gradient accumulation its own step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, TapeSACError
+
+__all__ = ["Attachment"]
+
+
+class Attachment:
+    """The handle ``sac.attach(optimizer)`` returns: steps start at the first block forward and end at
+    ``optimizer.step()`` (or ``end_step()``). Also a context manager that detaches on exit."""
+
+    def __init__(self, sac: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"attach(optimizer): expected a torch.optim.Optimizer (or None to end steps with "
+                              f"end_step()), got {type(optimizer).__name__}")
+        self._sac = sac
+        self._step: Any = None  # the open step's context manager
+        self._handles: list[Any] = []
+        for name, module in sac.blocks:
+            self._handles.append(module.register_forward_pre_hook(self._starter(name), prepend=True))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.end_step()))
+
+    @property
+    def step_open(self) -> bool:
+        """True between the first block forward of a step and its end."""
+        return self._step is not None
+
+    def _starter(self, name: str) -> Any:
+        def start(module: nn.Module, args: Any) -> None:
+            if self._step is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+                return None
+            if self._sac.in_step:
+                return None  # a `with sac.step():` block is open: it owns this forward
+            step = self._sac.step()
+            step.__enter__()
+            self._step = step
+            # The block's own hooks were installed by the step just now, after this call's hooks were gathered:
+            # open its block call here so that this forward is recorded too.
+            self._sac._hooks.open_block(name, module)
+            return None
+
+        return start
+
+    def end_step(self) -> None:
+        """Ends the open step (nothing when none is open); a step's error (e.g. MemoryLimitError) is raised here."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.__exit__(None, None, None)
+
+    def detach(self) -> None:
+        """Ends an open step and removes the hooks from the blocks and the optimizer."""
+        try:
+            self.end_step()
+        finally:
+            handles, self._handles = self._handles, []
+            for h in handles:
+                h.remove()
+            if self._sac._attachment is self:
+                self._sac._attachment = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"Attachment(step_open={self.step_open}, attached={self.attached})"
+
+
+def check_not_attached(sac: Any) -> None:
+    """attach() twice is a user error: one attachment delimits the steps."""
+    if sac._attachment is not None:
+        raise TapeSACError("this TapeSAC is already attached (sac.attach(...) was called before); call detach() on "
+                           "the attachment first")

@@ -1,0 +1,253 @@
+"""Conflict detection: the setups in which tapesac would silently do nothing, or something other than asked, are
+warned once each through the ``tapesac`` logger (log.py), and every warning says what to do.
+
+Contract (one ``Conflicts`` per TapeSAC; it only reads the model and never changes what a block computes):
+- At construction: blocks compiled with torch.compile (kept, exact, nothing saved), the model or a module around
+  the blocks compiled in place (``module.compile()``), blocks already checkpointed by Hugging Face
+  (``gradient_checkpointing_enable()``), and a second live TapeSAC on a model or block that one already records.
+- Before every step (until each has been warned): the same in-place checks again, since a trainer turns HF's
+  checkpointing on when training starts, after the TapeSAC was made.
+- During the first ``CHECKED_STEPS`` steps, per block forward (a forward pre-hook installed for those steps only):
+  the block runs inside someone else's saved-tensor hooks (``torch.utils.checkpoint`` with ``use_reentrant=False``,
+  ``save_on_cpu``) or inside a backward (the recomputation of ``torch.utils.checkpoint`` with ``use_reentrant=True``).
+- After every step: no block call recorded (the usual cause: ``torch.compile(model)`` compiled before the first step,
+  whose compiled code ignores hooks added later), or nothing dropped because most saved tensors were opaque (compiled
+  kernels the recorder cannot see) — reported only when no specific conflict explains it.
+- Outside steps: a forward hook on every block (the one hook that stays between steps) notices a block that runs
+  forward *and backward* with gradients outside any step (it trained without tapesac). The hook does nothing under torch.compile's tracing, is removed after its
+  warning and at ``close()``, and a pickled or deep-copied model gets an inert hook in its place (no tie to this
+  TapeSAC).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .blocks import is_compiled
+from .log import Once
+
+__all__ = ["Conflicts", "CHECKED_STEPS"]
+
+# Steps whose block forwards are checked for someone else's checkpoint around the block: a setup, not something
+# that changes mid-training, and a hook per block call costs a few microseconds.
+CHECKED_STEPS = 3
+
+# Every module a live TapeSAC records (its model and its blocks) -> that TapeSAC's Conflicts (weakly on both sides).
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Conflicts]]" = weakref.WeakKeyDictionary()
+
+
+def _names(names: Sequence[str]) -> str:
+    return f"{list(names[:4])}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor that requires grad in a block's output (a tensor, a tuple/list, a dict or ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.requires_grad:
+            return item
+    return None
+
+
+class _Inert:
+    """What a pickled or deep-copied model holds in place of a watch hook: nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Hook:
+    """A watch hook bound weakly to its Conflicts (the hook never keeps a TapeSAC alive)."""
+
+    def __init__(self, owner: "Conflicts", method: str, name: str) -> None:
+        self._owner = weakref.ref(owner)
+        self._method = method
+        self._name = name
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None  # traced by torch.compile: no Python runs per call, and no graph break
+        owner = self._owner()
+        if owner is not None:
+            getattr(owner, self._method)(self._name, module, *args)
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_Inert, ())
+
+
+class Conflicts:
+    """The conflict checks of one TapeSAC (see the module's contract)."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], session: Any) -> None:
+        self._model = model
+        self._blocks = list(blocks)
+        self._session = session
+        self._once = Once()
+        self.closed = False
+        self.in_step = False
+        self._step_warned = False  # a specific conflict was warned during the current step
+        # The blocks and every module around them: where HF's flag and an in-place compile are looked for.
+        around: dict[int, tuple[str, nn.Module]] = {id(model): ("", model)}
+        for name, _ in self._blocks:
+            parts = name.split(".")
+            for i in range(1, len(parts)):
+                prefix = ".".join(parts[:i])
+                mod = model.get_submodule(prefix)
+                around.setdefault(id(mod), (prefix, mod))
+        self._around = list(around.values())
+        self._check_compiled_blocks()
+        self._check_second_tapesac()
+        self.check_modules()
+        for m in [model] + [m for _, m in self._blocks]:
+            _OWNERS[m] = weakref.ref(self)
+        self._steps = 0
+        self._step_handles: list[Any] = []
+        self._handles: list[Any] = [m.register_forward_hook(_Hook(self, "_block_ran", name)) for name, m in self._blocks]
+
+    # -- at construction ------------------------------------------------------------------------------------------
+    def _check_compiled_blocks(self) -> None:
+        compiled = [n for n, m in self._blocks if is_compiled(m)]
+        if compiled:
+            self._once.warning("compiled-blocks", (
+                f"tapesac: block(s) {_names(compiled)} are torch.compile'd: a compiled forward runs as one opaque graph "
+                f"that tapesac cannot replay, so everything it saves is kept (exact, but no memory is saved). Apply "
+                f"tapesac to the uncompiled blocks (compile submodules inside them, or other parts of the model) to "
+                f"checkpoint them."))
+
+    def _check_second_tapesac(self) -> None:
+        for m in [self._model] + [m for _, m in self._blocks]:
+            ref = _OWNERS.get(m)
+            other = ref() if ref is not None else None
+            if other is not None and other is not self and not other.closed:
+                self._once.warning("second", (
+                    f"tapesac: {type(m).__name__} is already recorded by another TapeSAC that is still open: two "
+                    f"TapeSACs on one model record the same blocks, and only one can run a step at a time (the other "
+                    f"one's blocks then train without it). Use one TapeSAC per model: call close() on the old one "
+                    f"before making a new one, or keep using the old one."))
+                return
+
+    # -- before a step --------------------------------------------------------------------------------------------
+    def check_modules(self) -> None:
+        """HF's checkpointing flag and an in-place compile on the blocks or around them (each warned once)."""
+        if not self._once.seen("hf"):
+            flagged = [name or type(m).__name__ for name, m in self._around + self._blocks
+                       if getattr(m, "gradient_checkpointing", False) is True]
+            if flagged:
+                self._step_warned = True
+                self._once.warning("hf", (
+                    f"tapesac: Hugging Face gradient checkpointing is on ({_names(flagged)} has gradient_checkpointing="
+                    f"True: model.gradient_checkpointing_enable(), or TrainingArguments(gradient_checkpointing=True)). "
+                    f"Each block's forward then runs inside torch.utils.checkpoint, which saves almost nothing for "
+                    f"tapesac to choose from: tapesac records, keeps the few tensors left and saves no memory. Turn "
+                    f"one off: model.gradient_checkpointing_disable() (and gradient_checkpointing=False in "
+                    f"TrainingArguments) to let tapesac choose what to keep, or sac.close() to use HF's full "
+                    f"checkpointing alone."))
+        if not self._once.seen("compiled-model"):
+            compiled = [name or type(m).__name__ for name, m in self._around if is_compiled(m)]
+            if compiled:
+                self._step_warned = True
+                self._once.warning("compiled-model", (
+                    f"tapesac: {_names(compiled)} is compiled as a whole (module.compile() or torch.compile): its "
+                    f"compiled code hides the blocks from tapesac's recorder (hooks added later are not called, fused "
+                    f"kernels are not recorded), so nothing is checkpointed. Compile submodules inside the blocks "
+                    f"instead (e.g. block.mlp.compile()), or use tapesac without compiling the model."))
+
+    def before_step(self) -> None:
+        self._step_warned = False
+        self.check_modules()
+        self.in_step = True
+        if self._steps < CHECKED_STEPS:
+            self._step_handles = [m.register_forward_pre_hook(_Hook(self, "_block_starts", name), prepend=True)
+                                  for name, m in self._blocks]
+
+    # -- during a step --------------------------------------------------------------------------------------------
+    def _block_starts(self, name: str, module: nn.Module, args: Any) -> None:
+        if not self.in_step or not torch.is_grad_enabled() or self._session is None or self._session.block_open:
+            return
+        if torch._C._current_graph_task_id() != -1:
+            if not self._once.seen("hooks") and not self._once.seen("inside-backward"):
+                self._step_warned = True
+                self._once.warning("inside-backward", (
+                    f"tapesac: block {name} ran its forward inside a backward pass: something else recomputes it "
+                    f"(torch.utils.checkpoint around the block; with use_reentrant=True its first forward ran without "
+                    f"gradients, so tapesac had nothing to record). Remove that checkpoint around the block and let "
+                    f"tapesac choose what to keep."))
+        elif torch._C._autograd._top_saved_tensors_default_hooks(False) is not None and not self._once.seen("hooks"):
+            self._step_warned = True
+            self._once.warning("hooks", (
+                f"tapesac: block {name} runs inside saved-tensor hooks that are not tapesac's (torch.utils.checkpoint "
+                f"with use_reentrant=False around the block, torch.autograd.graph.save_on_cpu, ...): both would "
+                f"decide what the block saves. Remove that checkpoint or offload around the block and let tapesac "
+                f"choose what to keep (or close the TapeSAC)."))
+
+    # -- outside steps --------------------------------------------------------------------------------------------
+    def _block_ran(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self.in_step or not torch.is_grad_enabled() or self._once.seen("outside"):
+            return
+        t = _first_grad_tensor(output)
+        if t is None:
+            return
+        owner = weakref.ref(self)
+
+        def on_backward(grad: torch.Tensor) -> None:
+            c = owner()
+            if c is not None and c._once.warning("outside", (
+                    f"tapesac: block {name} ran forward and backward with gradients outside any step while a TapeSAC "
+                    f"is attached: it trained without checkpointing (every activation kept). Run forward and backward "
+                    f"inside `with sac.step():`, or let the optimizer delimit steps (sac.attach(optimizer)), or use a "
+                    f"trainer callback (tapesac.integrations); call sac.close() if tapesac should not apply.")):
+                c._remove_hooks()  # warned once: the watch is no longer needed
+            return None
+
+        t.register_hook(on_backward)
+
+    # -- after a step ---------------------------------------------------------------------------------------------
+    def after_step(self, stats: Any) -> None:
+        self.in_step = False
+        self._steps += 1
+        handles, self._step_handles = self._step_handles, []
+        for h in handles:
+            h.remove()
+        if stats is None or self._step_warned:
+            return
+        if stats.block_calls == 0:
+            self._once.warning("no-block", (
+                f"tapesac: step {stats.step} recorded no block call: the blocks' forwards did not run through "
+                f"tapesac's hooks, so nothing was checkpointed. Usual causes: the model runs through "
+                f"torch.compile(model) compiled before the first step (its compiled code ignores hooks added later; "
+                f"compile submodules inside the blocks instead, e.g. block.mlp.compile()); the forward ran outside "
+                f"`with sac.step():` or under torch.no_grad(); or blocks= names modules the forward does not call "
+                f"(sac.blocks lists them)."))
+        elif (stats.policy != "none" and stats.saved_tensors and not stats.dropped_tensors
+              and 2 * stats.opaque_tensors >= stats.saved_tensors):
+            self._once.warning("opaque", (
+                f"tapesac: step {stats.step} dropped nothing: {stats.opaque_tensors} of the {stats.saved_tensors} "
+                f"tensors its blocks saved were made by code the recorder cannot see (opaque: kept). Usual causes: "
+                f"the model or the blocks run compiled (torch.compile: fused kernels; compile submodules inside the "
+                f"blocks instead), or custom kernels (Triton, CUDA extensions) make the blocks' activations."))
+
+    # -- closing --------------------------------------------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def close(self) -> None:
+        self._remove_hooks()
+        for h in self._step_handles:
+            h.remove()
+        self._step_handles = []
+        self._session = None
+        self.closed = True
+        self.in_step = False
+        for m in [self._model] + [m for _, m in self._blocks]:
+            ref = _OWNERS.get(m)
+            if ref is not None and ref() is self:
+                del _OWNERS[m]

@@ -1,0 +1,137 @@
+"""The step-free mode (sac.attach(optimizer)) and abandoned step contexts.
+
+A step starts at the first block forward with gradients and ends at optimizer.step(); training is bitwise the same as
+without tapesac, gradient accumulation makes one step, a backward that spans two steps raises, evaluation starts no
+step, and detach() leaves the model as it was. A `sac.step()` context that is entered and never exited is reported
+(warning when it is collected, error when another step is entered meanwhile), never silent.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from models import stack, x_in
+from conftest import assert_same_grads, assert_same_params, default_loss
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def _train(model, opt, xs, accumulate: int = 1) -> list[torch.Tensor]:
+    losses = []
+    for i, x in enumerate(xs):
+        loss = default_loss(model, (x,)) / accumulate
+        loss.backward()
+        losses.append(loss.detach())
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_attach_steps_at_the_optimizer_and_is_exact(tapesac, accumulate: int) -> None:
+    model = stack()
+    ref = copy.deepcopy(model)
+    xs = [x_in().detach() for _ in range(4)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    attachment = sac.attach(opt)
+    got = _train(model, opt, xs, accumulate)
+    want = _train(ref, ref_opt, xs, accumulate)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert_same_params(model, ref, "after attached training")
+    hist = sac.history
+    # One step per optimizer step; with accumulation both micro-batches' block calls are in it.
+    assert [s.step for s in hist] == list(range(1, len(xs) // accumulate + 1))
+    assert all(s.block_calls == 2 * accumulate and s.dropped_tensors > 0 and s.ops_replayed > 0 for s in hist)
+    assert not attachment.step_open
+    sac.close()
+    assert not attachment.attached
+
+
+def test_attach_backward_spanning_two_steps_raises(tapesac) -> None:
+    model = stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    sac.attach(opt)
+    first = default_loss(model, (x_in(),))  # step 1 starts here
+    opt.step()  # ... and ends here, before its backward
+    second = default_loss(model, (x_in(),))  # step 2
+    with pytest.raises(tapesac.TapeSACError, match="spans two steps") as ei:
+        (first + second).backward()
+    assert "optimizer.step()" in str(ei.value)
+    sac.close()
+
+
+def test_attach_evaluation_starts_no_step_and_with_step_still_works(tapesac) -> None:
+    model = stack()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    attachment = sac.attach(opt)
+    with torch.no_grad():
+        model(x_in())
+    assert not attachment.step_open and sac.last_step is None
+    x = x_in().detach()
+    with sac.step():  # an explicit step while attached: the attachment stands aside
+        default_loss(model, (x,)).backward()
+    default_loss(ref, (x,)).backward()
+    assert_same_grads(model, ref)
+    assert not attachment.step_open and sac.last_step.step == 1 and sac.last_step.block_calls == 2
+    with pytest.raises(tapesac.TapeSACError, match="already attached"):
+        sac.attach(opt)
+    sac.close()
+
+
+def test_attach_end_step_without_optimizer_and_detach_removes_hooks(tapesac) -> None:
+    model = stack()
+    before = _hooks(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    watched = _hooks(model)
+    with sac.attach() as attachment:
+        assert _hooks(model) == watched + 2  # one starter per block
+        default_loss(model, (x_in(),)).backward()
+        assert attachment.step_open
+        attachment.end_step()
+        assert not attachment.step_open and sac.last_step.block_calls == 2
+        default_loss(model, (x_in(),)).backward()
+    assert sac.last_step.step == 2  # leaving the `with` ended the open step
+    assert _hooks(model) == watched
+    sac.attach(torch.optim.SGD(model.parameters(), lr=0.1))  # attaching again after a detach is fine
+    sac.close()
+    assert _hooks(model) == before
+
+
+def test_abandoned_step_context_is_reported(tapesac, caplog) -> None:
+    model = stack()
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    x = x_in().detach()
+    cm = sac.step()
+    cm.__enter__()
+    default_loss(model, (x,)).backward()
+    # Entering another step while it is still open is an error that says what to do.
+    with pytest.raises(tapesac.TapeSACError, match="steps cannot nest") as ei:
+        with sac.step():
+            pass
+    assert "exit each step" in str(ei.value)
+    with caplog.at_level("WARNING", logger="tapesac"):
+        del cm
+        gc.collect()
+    assert any("abandoned" in r.getMessage() and r.name == "tapesac" for r in caplog.records), caplog.text
+    default_loss(ref, (x,)).backward()
+    assert_same_grads(model, ref)
+    assert sac.last_step.step == 1 and sac.last_step.block_calls == 2
+    model.zero_grad(set_to_none=True)
+    with sac.step():  # the next step is clean
+        default_loss(model, (x,)).backward()
+    assert_same_grads(model, ref)
+    sac.close()

@@ -1,0 +1,192 @@
+"""Conflict detection (conflicts.py): each setup in which tapesac would silently do nothing is warned once through
+the `tapesac` logger, with what to do; training stays exact; the watch hooks leave no trace on a copied, pickled or
+closed model. And the library's warnings all go through that logger.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tuc
+
+import models as M
+from models import stack, x_in
+from conftest import assert_same_grads, default_loss
+
+
+def _warnings(caplog, needle: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "tapesac" and r.levelname == "WARNING" and needle in r.getMessage()]
+
+
+def _hf_step(sac, model, ids) -> None:
+    with sac.step():
+        M.hf_loss(model, ids).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_hf_gradient_checkpointing_is_warned_once(tapesac, caplog) -> None:
+    model = M.hf_qwen3(2)
+    ids = torch.randint(0, M.HF_VOCAB, (M.B, M.T))
+    sac = tapesac.TapeSAC(model, blocks="model.layers.*", policy="full")
+    with caplog.at_level("WARNING", logger="tapesac"):
+        _hf_step(sac, model, ids)
+        assert not _warnings(caplog, "gradient checkpointing"), "warned without HF checkpointing on"
+        model.gradient_checkpointing_enable()  # as Trainer(gradient_checkpointing=True) does when training starts
+        _hf_step(sac, model, ids)
+        _hf_step(sac, model, ids)
+    found = _warnings(caplog, "Hugging Face gradient checkpointing is on")
+    assert len(found) == 1, caplog.text
+    assert "gradient_checkpointing_disable()" in found[0]
+    assert sac.last_step.dropped_tensors == 0  # what the warning is about: tapesac saves nothing then
+    sac.close()
+
+
+class _Wrapped(nn.Module):
+    """Blocks called through torch.utils.checkpoint by the model's own forward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = stack()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.inner.blocks:
+            x = tuc.checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant,needle", [(False, "saved-tensor hooks that are not tapesac's"),
+                                              (True, "inside a backward pass")])
+def test_block_inside_torch_checkpoint_is_warned(tapesac, caplog, reentrant: bool, needle: str) -> None:
+    model = _Wrapped(reentrant)
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="inner.blocks.*", policy="full")
+    x = x_in().detach().requires_grad_(True)
+    with caplog.at_level("WARNING", logger="tapesac"):
+        for _ in range(2):
+            with sac.step():
+                default_loss(model, (x,)).backward()
+    assert len(_warnings(caplog, needle)) == 1, caplog.text
+    default_loss(ref, (x,)).backward()
+    sac.close()
+
+
+def test_whole_model_compiled_before_the_first_step_is_warned(tapesac, caplog) -> None:
+    model = stack()
+    compiled = torch.compile(model, backend="eager")
+    compiled(x_in()).sum().backward()  # compiled (and run) before tapesac: its code ignores hooks added later
+    model.zero_grad(set_to_none=True)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with caplog.at_level("WARNING", logger="tapesac"):
+        for _ in range(2):
+            with sac.step():
+                compiled(x_in()).sum().backward()
+    assert sac.last_step.block_calls == 0
+    found = _warnings(caplog, "recorded no block call")
+    assert len(found) == 1 and "torch.compile(model)" in found[0], caplog.text
+    sac.close()
+    torch._dynamo.reset()
+
+
+def test_model_compiled_in_place_is_warned_at_construction(tapesac, caplog) -> None:
+    model = stack()
+    model.compile(backend="eager")  # in place: nothing runs until the model is called
+    with caplog.at_level("WARNING", logger="tapesac"):
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    found = _warnings(caplog, "is compiled as a whole")
+    assert len(found) == 1 and "block.mlp.compile()" in found[0], caplog.text
+    sac.close()
+
+
+def test_compiled_inside_a_step_says_why(tapesac, caplog) -> None:
+    """torch.compile tracing a block inside a step: the recording fails on FakeTensors, and the warning says so (it
+    used to read "recording aten::add failed: ;" — torch's python_error has no message until persisted)."""
+    model = M.hf_qwen3(1)
+    ids = torch.randint(0, M.HF_VOCAB, (M.B, M.T))
+    sac = tapesac.TapeSAC(model, blocks="model.layers.*", policy="full")
+    with caplog.at_level("WARNING", logger="tapesac"):
+        with sac.step():
+            compiled = torch.compile(model, backend="eager")
+            M.hf_loss(compiled, ids).backward()
+    errors = [b.capture_error for b in sac.last_step.blocks if b.capture_error]
+    assert errors, "tracing inside the step recorded nothing wrong?"
+    for e in errors:
+        assert not re.search(r"failed: *$", e), e
+        assert "FakeTensor" in e and "Compile before the first step" in e, e
+    assert _warnings(caplog, "FakeTensor"), caplog.text
+    sac.close()
+    torch._dynamo.reset()
+
+
+def test_second_tapesac_on_one_model_is_warned(tapesac, caplog) -> None:
+    model = stack()
+    with caplog.at_level("WARNING", logger="tapesac"):
+        first = tapesac.TapeSAC(model, blocks="blocks.*")
+        assert not _warnings(caplog, "another TapeSAC")
+        second = tapesac.TapeSAC(model, blocks="blocks.*")
+        found = _warnings(caplog, "another TapeSAC")
+        assert len(found) == 1 and "close()" in found[0], caplog.text
+        second.close()
+        first.close()
+        third = tapesac.TapeSAC(model, blocks="blocks.*")  # the others are closed: nothing to warn
+        assert len(_warnings(caplog, "another TapeSAC")) == 1
+        third.close()
+
+
+def test_forward_and_backward_outside_a_step_is_warned_once(tapesac, caplog) -> None:
+    model = stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with caplog.at_level("WARNING", logger="tapesac"):
+        with torch.no_grad():
+            model(x_in())  # evaluation: no gradients, nothing to warn
+        default_loss(model, (x_in(),))  # a forward with gradients but no backward: nothing trained
+        assert not _warnings(caplog, "outside any step")
+        with sac.step():
+            default_loss(model, (x_in(),)).backward()
+        assert not _warnings(caplog, "outside any step")
+        default_loss(model, (x_in(),)).backward()
+        default_loss(model, (x_in(),)).backward()
+    found = _warnings(caplog, "outside any step")
+    assert len(found) == 1 and "with sac.step():" in found[0] and "sac.attach(optimizer)" in found[0], caplog.text
+    sac.close()
+
+
+def test_watch_hooks_leave_no_trace_on_copies_pickles_and_exactness(tapesac, caplog) -> None:
+    model = stack()
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    twin = copy.deepcopy(model)  # e.g. an EMA copy made after the TapeSAC
+    restored = pickle.loads(pickle.dumps(model))
+    with caplog.at_level("WARNING", logger="tapesac"):
+        for m in (twin, restored):
+            default_loss(m, (x_in(),)).backward()
+    assert not caplog.records, caplog.text  # the copies are not this TapeSAC's blocks
+    x = x_in().detach()
+    with sac.step():
+        default_loss(model, (x,)).backward()
+    default_loss(ref, (x,)).backward()
+    assert_same_grads(model, ref)
+    sac.close()
+
+
+def test_library_warnings_go_through_the_tapesac_logger(tapesac) -> None:
+    """No module of the library warns with warnings.warn or prints (the command-line modules print their output)."""
+    root = Path(tapesac.__file__).parent
+    cli = {"cli.py", "demo.py", "report_cli.py", "frontier_cli.py", "validate_cli.py"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.name in cli or rel.parts[0] == "bench":
+            continue
+        text = path.read_text()
+        for pattern in (r"\bwarnings\.warn\(", r"(?<![\w.])print\("):
+            if re.search(pattern, text):
+                offenders.append(f"{rel}: {pattern}")
+    assert not offenders, offenders

@@ -38,8 +38,8 @@ at::Tensor BlockCall::unpack(int32_t slot) {
 void BlockCall::begin_backward() {
   // The first unpack of the step marks the start of the backward on the memory timeline.
   if (ctx_.memory && ctx_.memory->counter().phase() == allocator::Phase::kForward) {
-    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);
-    if (ctx_.watcher) ctx_.watcher->pause();
+    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);  // the watcher keeps watching: see
+                                                                     // Note [watching the backward] (preserve.h)
   }
 }
 

@@ -49,7 +49,7 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   if (!d.replan) return;
   replay::GraphCache* graphs = session_.graph_cache();
   ReservedPlan r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0,
-                                           [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on); });
+                                           [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on, d.margin_bytes); });
   if (r.capture && graphs) graphs->set_capture_enabled(*r.capture);
   PlanInfo& info = r.plan;
   info.graph_reserve_bytes = r.reserve_bytes;

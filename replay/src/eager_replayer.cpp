@@ -116,10 +116,35 @@ void fill_inputs(const ReplaySource& source, OpIndex i, bool return_live, std::v
   }
 }
 
+// Why op `i`'s replay returned other metadata than the forward: the first input whose sizes, strides or dtype
+// differ from what the forward recorded; or, when every input is as recorded, the op's kernel itself.
+std::string divergence_cause(const ReplaySource& source, OpIndex i, const std::vector<at::Tensor>& env) {
+  const Tape& tape = *source.tape;
+  for (const ArgRef& a : tape.op(i).inputs) {
+    if (a.meta_only) continue;
+    const ReadSource src = classify_read(tape, *source.available, a.value, a.state, a.meta_only);
+    const auto v = static_cast<size_t>(a.value);
+    const at::Tensor& t = src == ReadSource::kLive ? (*source.live)[v] : env[v];
+    if (!t.defined()) continue;
+    const capture::TensorMeta& m = tape.value(a.value).meta;
+    const bool same = m.sizes.equals(t.sizes()) && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
+                      (t.layout() != c10::kStrided || m.strides.equals(t.strides()));
+    if (same) continue;
+    return ". Its input v" + std::to_string(a.value) + " has sizes " + describe(t.sizes().vec()) + " where the "
+           "forward recorded " + describe(m.sizes.vec()) + ": the block's inputs or parameters changed shape between "
+           "forward and backward; run the backward before changing them.";
+  }
+  return ". Its inputs have the sizes, strides and dtypes the forward recorded, so the op's kernel itself returned "
+         "other metadata: replay runs inside the backward with grad mode off, where the forward ran it with grad mode "
+         "on (some kernels choose their layout or outputs by grad mode, e.g. oneDNN's RNN), or the kernel is not "
+         "deterministic in its output layout. Keep this op's outputs (a policy that saves it) or report the model.";
+}
+
 // Checks op `i`'s outputs against the tape (the count always, the metadata when `check_metadata`) and stores them
 // in `env`. Throws tapesac::Error (kReplayContract) on a divergence.
-void store_outputs(const Tape& tape, OpIndex i, const std::vector<at::Tensor>& outs, bool check_metadata,
+void store_outputs(const ReplaySource& source, OpIndex i, const std::vector<at::Tensor>& outs, bool check_metadata,
                    std::vector<at::Tensor>& env) {
+  const Tape& tape = *source.tape;
   const OpRecord& rec = tape.op(i);
   TAPESAC_CHECK(outs.size() == rec.outputs.size(), kReplayContract, "replay of op ", op_label(tape, i), " returned ",
                 outs.size(), " tensors but the forward returned ", rec.outputs.size(),
@@ -137,8 +162,7 @@ void store_outputs(const Tape& tape, OpIndex i, const std::vector<at::Tensor>& o
                     describe(m.strides.vec()), " dtype ", m.dtype, ", got ",
                     t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec())
                                 : std::string("an undefined tensor"),
-                    ". The block's inputs or parameters changed shape between forward and backward; run the "
-                    "backward before changing them.");
+                    divergence_cause(source, i, env));
     }
     env[static_cast<size_t>(v)] = t;
   }
@@ -192,7 +216,7 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
 
     outs.clear();
     flatten_outputs(stack, outs);
-    store_outputs(tape, i, outs, options.check_metadata, env);
+    store_outputs(source, i, outs, options.check_metadata, env);
     if (options.observer != nullptr) options.observer->after_op(i, observed_args, outs);
     if (last_use != nullptr) release_dead(rec, k, *last_use, *is_target, env);
     if (stats != nullptr) {

@@ -134,7 +134,9 @@ std::unique_ptr<CuptiTimer> CuptiTimer::start(std::string* why) {
     g_active = false;
     return fail("CUPTI unavailable: cuptiSubscribe_v2 returned " + lib->result_string(r) +
                 (holder[0] != 0 ? std::string(" (held by ") + holder + ")" : std::string()) +
-                "; a profiler (torch.profiler, Nsight) owns CUPTI; kernel times fall back to CUDA events");
+                "; a profiler (torch.profiler, Nsight) owns CUPTI. torch.profiler's kineto stays subscribed after its "
+                "session ends, so once a process ran torch.profiler, tapesac cannot claim CUPTI again in it (run the "
+                "profiler in another process); kernel times fall back to CUDA events");
   }
   auto undo = [&](const char* what, CUptiResult res) {
     for (const auto k : kKinds) api.disable(k);

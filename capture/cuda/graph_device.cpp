@@ -26,7 +26,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/cuda/device.h"
 #include "tapesac/cuda/event.h"
 #include "tapesac/cuda/cupti_timer.h"
@@ -124,6 +124,7 @@ void CudaGraphDevice::begin_capture() {
                            "abort_capture() first");
   }
   device_guard_ = std::make_unique<DeviceGuard>(device_);
+  last_freed_.clear();
   try {
     capture_ = std::make_unique<GraphCapture>(GraphCaptureOptions{pool_first_, pool_second_, map_exec_nodes_});
     capture_->begin();
@@ -154,6 +155,7 @@ std::unique_ptr<capture::ExecGraph> CudaGraphDevice::end_capture(std::string* er
     outcome.graph.reset();
     outcome.error = e.what();
   }
+  last_freed_ = capture_->freed();
   release_capture();
   if (!outcome.graph) {
     return fail(outcome.error.empty() ? std::string("the CUDA graph capture failed without an error message")
@@ -164,6 +166,8 @@ std::unique_ptr<capture::ExecGraph> CudaGraphDevice::end_capture(std::string* er
 }
 
 void CudaGraphDevice::abort_capture() noexcept { release_capture(); }
+
+int64_t CudaGraphDevice::capture_overhead_bytes() const { return capture_workspace_bytes(device_); }
 
 void CudaGraphDevice::order_after_last_launch(const capture::ExecGraph& exec) {
   // The static buffers never go back to the allocator, so nothing orders their reuse across streams: when this
@@ -187,6 +191,10 @@ std::string CudaGraphDevice::before_launch(capture::ExecGraph& exec, const std::
                           "CudaGraphDevice::before_launch called again before after_launch()");
   order_after_last_launch(exec);
   if (random_ops.empty()) return "";
+  if (static_cast<const CudaExecGraph&>(exec).rng_epoch() != rng_state_epoch()) {
+    return "the default CUDA generator was given a fresh state after a failed capture left it in capture mode; "
+           "this graph's random ops draw from the replaced state";
+  }
   const at::Generator& dflt = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA,
                                                                                static_cast<c10::DeviceIndex>(device_)));
   const c10::GeneratorImpl* dflt_impl = dflt.unsafeGetGeneratorImpl();

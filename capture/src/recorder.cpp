@@ -14,6 +14,7 @@
 
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
+#include "tapesac/common/clock.h"
 
 namespace tapesac::capture {
 namespace {
@@ -526,7 +527,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
       }
     }
     busy_ = false;
-    if (options_.time_ops) f.start = std::chrono::steady_clock::now();
+    if (options_.time_ops) f.start_ns = common::now_ns();
     if (timer_) {
       try {
         timer_->begin(f.tape_size);
@@ -568,7 +569,7 @@ void Recorder::exit(const at::RecordFunction& fn) {
 
 OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
   if (f.info == nullptr) return -1;
-  const auto end = options_.time_ops ? std::chrono::steady_clock::now() : f.start;
+  const int64_t end_ns = options_.time_ops ? common::now_ns() : f.start_ns;
   if (!error_.empty()) return -1;
   // Note [Composite ops that run themselves]. A CompositeImplicitAutograd op normally decomposes: its children
   // run at autograd level and are recorded, and the op itself is not. When none of its children was recorded and
@@ -593,7 +594,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     const OpInfo& info = *f.info;
     OpRecord rec;
     rec.kind = info.kind;
-    rec.duration_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - f.start).count();
+    rec.duration_ns = end_ns - f.start_ns;
     rec.inputs = std::move(f.inputs);
     bool writes_external = false;
     for (const ArgRef& a : rec.inputs) {

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "compiled.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 
 namespace tapesac::planner {
 namespace {

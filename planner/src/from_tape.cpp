@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/capture/op_kinds.h"
 
 namespace tapesac::planner {

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "compiled.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 
 namespace tapesac::planner {

@@ -5,7 +5,7 @@
 #include <limits>
 #include <numeric>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 
 namespace tapesac::planner {
 namespace {

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <unordered_set>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 
 namespace tapesac::planner {
 namespace {

@@ -5,7 +5,7 @@
 #include <sstream>
 #include <string>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 
 namespace tapesac::planner {
 namespace {

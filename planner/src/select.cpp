@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "compiled.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 
 namespace tapesac::planner {

@@ -8,7 +8,7 @@
 
 #include "compiled.h"
 #include "select_state.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 
 namespace tapesac::planner::detail {
 namespace {

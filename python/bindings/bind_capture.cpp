@@ -2,7 +2,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/recorder.h"
 

@@ -127,8 +127,15 @@ void bind_replay(py::module_& m) {
   // Opaque: made by emulated_graph_device() here or cuda_graph_device() (CUDA builds), passed to Session.
   py::class_<capture::GraphDevice, std::shared_ptr<capture::GraphDevice>>(m, "GraphDevice")
       .def_property_readonly("name", [](const capture::GraphDevice& d) { return std::string(d.name()); });
-  m.def("emulated_graph_device", &replay::make_emulated_graph_device,
-        "A graph device that emulates executable graphs with eager ops over static tensors (tests, any device).");
+  m.def(
+      "emulated_graph_device",
+      [](const std::optional<std::string>& bound) {
+        return replay::make_emulated_graph_device(
+            bound ? std::optional<c10::DeviceType>(c10::Device(*bound).type()) : std::nullopt);
+      },
+      py::arg("graph_device_type") = py::none(),
+      "A graph device that emulates executable graphs with eager ops over static tensors (tests, any device); "
+      "graph_device_type (\"cuda\", \"cpu\"): act as a graph bound to that device type (its device checks).");
   py::class_<Session> session(m, "Session");
   session.def(py::init(&make_session), py::arg("policy"), py::arg("save_op") = py::none(),
               py::arg("check_versions") = true, py::arg("check_metadata") = true, py::arg("check_bytes") = false,

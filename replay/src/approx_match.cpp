@@ -49,6 +49,37 @@ const Kinds& kinds() {
   return k;
 }
 
+// The SDPA kernels whose backward reads the forward's logsumexp to rebuild the attention probabilities as
+// exp(scores - logsumexp) (Note [Approximate attention] in approx.h): boxed positions of dropout_p and of the
+// attention mask / bias (-1: none). CPU flash: (q, k, v, dropout_p, is_causal, attn_mask?, *, scale?); CUDA flash:
+// (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale?); memory-efficient: (q, k, v, attn_bias?,
+// compute_log_sumexp, dropout_p, is_causal, *, scale?); cuDNN: (q, k, v, attn_bias?, compute_log_sumexp, dropout_p,
+// is_causal, return_debug_mask, *, scale?). Outputs 0 and 1 are the attention and its logsumexp ([B, heads, ...]);
+// the others (sequence offsets, the philox state, the debug mask) are read by the backward only.
+struct SdpaSpec {
+  OpKind kind;
+  int dropout_arg;
+  int mask_arg;
+};
+
+const std::vector<SdpaSpec>& sdpa_specs() {
+  static const std::vector<SdpaSpec> specs = [] {
+    auto id = [](const char* n) { return capture::intern_op_kind(n); };
+    return std::vector<SdpaSpec>{{id("aten::_scaled_dot_product_flash_attention_for_cpu"), 3, 5},
+                                 {id("aten::_scaled_dot_product_flash_attention"), 3, -1},
+                                 {id("aten::_scaled_dot_product_efficient_attention"), 5, 3},
+                                 {id("aten::_scaled_dot_product_cudnn_attention"), 5, 3}};
+  }();
+  return specs;
+}
+
+const SdpaSpec* sdpa_spec(OpKind k) {
+  for (const SdpaSpec& s : sdpa_specs()) {
+    if (s.kind == k) return &s;
+  }
+  return nullptr;
+}
+
 bool is_matmul(OpKind k) { return k == kinds().mm || k == kinds().addmm; }
 bool is_reshape(OpKind k) { return k == kinds().view || k == kinds().unsafe_view || k == kinds().reshape_alias; }
 
@@ -430,7 +461,8 @@ std::string check_branch(const Tape& tape, const std::vector<capture::OpPayload>
 // heads. False when `s` is not such an op; `m.rejected` set when it is but attention dropout is on.
 bool attention_at(const Tape& tape, const std::vector<capture::OpPayload>& payloads, OpIndex s, AttnMatch& m) {
   const OpRecord& op = tape.op(s);
-  if (op.kind != kinds().sdpa_cpu || op.outputs.size() != 2) return false;
+  const SdpaSpec* spec = sdpa_spec(op.kind);
+  if (spec == nullptr || op.outputs.size() < 2) return false;
   const capture::OpPayload& payload = payloads.at(static_cast<size_t>(s));
   const ArgRef* q = arg_of(op, 0);
   const ArgRef* k = arg_of(op, 1);
@@ -445,9 +477,15 @@ bool attention_at(const Tape& tape, const std::vector<capture::OpPayload>& paylo
   m.head_dim = qs[3];
   m.out = op.outputs[0];
   m.lse = op.outputs[1];
-  if (payload.args.size() < 4 || !payload.args[3].isDouble() || payload.args[3].toDouble() != 0.0) {
+  m.mask_arg = spec->mask_arg;
+  const auto d = static_cast<size_t>(spec->dropout_arg);
+  if (payload.args.size() <= d || !payload.args[d].isDouble() || payload.args[d].toDouble() != 0.0) {
     m.rejected = "attention dropout is on";
+  } else if (m.out < 0 || m.lse < 0 || sizes_of(tape, m.lse).size() < 2 || sizes_of(tape, m.lse)[1] != m.heads ||
+             sizes_of(tape, m.lse)[0] != qs[0]) {
+    m.rejected = "the attention kept no logsumexp of [B, heads, ...] (compute_log_sumexp off?)";
   }
+  for (size_t j = 2; j < op.outputs.size(); ++j) m.extra.push_back(op.outputs[j]);
   return true;
 }
 
@@ -474,6 +512,9 @@ void match_projections(const Tape& tape, const std::vector<capture::OpPayload>& 
 void match_o_branch(const Tape& tape, const std::vector<capture::OpPayload>& payloads,
                     const std::vector<int32_t>& uses, const std::vector<OpIndex>& reader, AttnMatch& m) {
   if (m.lse < 0 || uses[static_cast<size_t>(m.lse)] != 0) m.rejected = "the attention's logsumexp is read";
+  for (ValueId x : m.extra) {
+    if (x >= 0 && uses[static_cast<size_t>(x)] != 0) m.rejected = "an extra output of the attention kernel is read";
+  }
   std::unordered_map<ValueId, HeadLayout> lay{{m.out, HeadLayout{false, 1}}};
   ValueId cur = m.out;
   m.values.push_back(m.out);

@@ -319,6 +319,7 @@ void Approx::add_attention(Call& c, AttnMatch& m) const {
   a.out_strides = tape.value(m.out).meta.strides.vec();
   a.lse_sizes = tape.value(m.lse).meta.sizes.vec();
   a.lse_strides = tape.value(m.lse).meta.strides.vec();
+  a.mask_arg = m.mask_arg;
   BlockApprox& result = *c.result;
   const size_t idx = result.applied_.size();
   result.applied_.push_back(std::move(a));

@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/replay/approx.h"
 
 namespace tapesac::replay {
@@ -27,21 +27,24 @@ bool BlockApprox::run(OpIndex op, std::vector<c10::IValue>& stack) const {
     sub[0] = q.index_select(1, a.units);
     sub[1] = k.index_select(1, a.kv_of_head);
     sub[2] = v.index_select(1, a.kv_of_head);
-    if (sub.size() > 5 && sub[5].isTensor()) {
-      const at::Tensor mask = sub[5].toTensor();
-      if (mask.dim() == 4 && mask.size(1) == a.heads) sub[5] = mask.index_select(1, a.units);
+    const auto mask_at = static_cast<size_t>(a.mask_arg);
+    if (a.mask_arg >= 0 && sub.size() > mask_at && sub[mask_at].isTensor()) {
+      const at::Tensor mask = sub[mask_at].toTensor();
+      if (mask.dim() == 4 && mask.size(1) == a.heads) sub[mask_at] = mask.index_select(1, a.units);
     }
     a.sdpa->callBoxed(sub);
-    TAPESAC_INTERNAL_ASSERT(sub.size() == 2, "approximate attention: the SDPA kernel returned ", sub.size(), " values");
+    TAPESAC_INTERNAL_ASSERT(sub.size() >= 2, "approximate attention: the SDPA kernel returned ", sub.size(), " values");
     const at::Tensor o_sel = sub[0].toTensor(), lse_sel = sub[1].toTensor();
     at::Tensor out = at::empty_strided(a.out_sizes, a.out_strides, o_sel.options()).zero_();
     out.index_copy_(1, a.units, o_sel);
-    // Unselected heads: any finite value (finish() turns them into +inf with w = 0).
+    // Unselected heads: any finite value (finish() turns them into +inf with w = 0). A memory-efficient kernel pads
+    // the logsumexp's last dimension to a multiple of 32; the selected heads' rows have the forward's shape too.
     at::Tensor lse = at::empty_strided(a.lse_sizes, a.lse_strides, lse_sel.options()).zero_();
     lse.index_copy_(1, a.units, lse_sel);
-    stack.clear();
-    stack.emplace_back(std::move(out));
-    stack.emplace_back(std::move(lse));
+    // The kernel's other outputs (sequence offsets, philox state, debug mask) as the sub-call made them.
+    sub[0] = std::move(out);
+    sub[1] = std::move(lse);
+    stack = std::move(sub);
     return true;
   }
   const at::Tensor& cols = role == Role::kQ ? a.q_cols : role == Role::kKv ? a.kv_cols : a.units;

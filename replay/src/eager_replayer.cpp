@@ -10,7 +10,7 @@
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/common/clock.h"
 
@@ -116,6 +116,22 @@ void fill_inputs(const ReplaySource& source, OpIndex i, bool return_live, std::v
   }
 }
 
+}  // namespace
+
+bool same_layout(const capture::TensorMeta& m, const at::Tensor& t) {
+  // The recorder keeps strides only for strided tensors (capture::meta_of); a 0-dim tensor has none either way.
+  const bool recorded_strided = m.strides.size() == m.sizes.size();
+  return m.sizes.empty() || recorded_strided == (t.layout() == c10::kStrided);
+}
+
+c10::Device device_of(const capture::TensorMeta& m) {
+  return c10::Device(static_cast<c10::DeviceType>(m.device_type), static_cast<c10::DeviceIndex>(m.device_index));
+}
+
+bool same_device(const capture::TensorMeta& m, const at::Tensor& t) { return t.device() == device_of(m); }
+
+namespace {
+
 // Why op `i`'s replay returned other metadata than the forward: the first input whose sizes, strides or dtype
 // differ from what the forward recorded; or, when every input is as recorded, the op's kernel itself.
 std::string divergence_cause(const ReplaySource& source, OpIndex i, const std::vector<at::Tensor>& env) {
@@ -143,7 +159,7 @@ std::string divergence_cause(const ReplaySource& source, OpIndex i, const std::v
 // Checks op `i`'s outputs against the tape (the count always, the metadata when `check_metadata`) and stores them
 // in `env`. Throws tapesac::Error (kReplayContract) on a divergence.
 void store_outputs(const ReplaySource& source, OpIndex i, const std::vector<at::Tensor>& outs, bool check_metadata,
-                   std::vector<at::Tensor>& env) {
+                   bool check_device, std::vector<at::Tensor>& env) {
   const Tape& tape = *source.tape;
   const OpRecord& rec = tape.op(i);
   TAPESAC_CHECK(outs.size() == rec.outputs.size(), kReplayContract, "replay of op ", op_label(tape, i), " returned ",
@@ -156,13 +172,19 @@ void store_outputs(const ReplaySource& source, OpIndex i, const std::vector<at::
     if (check_metadata) {
       const capture::TensorMeta& m = tape.value(v).meta;
       const bool same = t.defined() && m.sizes.equals(t.sizes()) && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
-                        (t.layout() != c10::kStrided || m.strides.equals(t.strides()));
+                        (t.layout() != c10::kStrided || m.strides.equals(t.strides())) && same_layout(m, t);
       TAPESAC_CHECK(same, kReplayContract, "replay of op ", op_label(tape, i), " output ", j,
                     " diverged from the forward: expected sizes ", describe(m.sizes.vec()), " strides ",
                     describe(m.strides.vec()), " dtype ", m.dtype, ", got ",
-                    t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec())
+                    t.defined() ? describe(t.sizes().vec()) + " strides " + describe(t.strides().vec()) + " dtype " +
+                                      std::to_string(static_cast<int>(t.scalar_type())) + " layout " +
+                                      c10::str(t.layout())
                                 : std::string("an undefined tensor"),
                     divergence_cause(source, i, env));
+      TAPESAC_CHECK(!check_device || same_device(m, t), kReplayContract, "replay of op ", op_label(tape, i),
+                    " output ", j, " diverged from the forward: the forward had it on ", device_of(m).str(),
+                    ", the replay made it on ", t.device().str(),
+                    " (an op whose output device depends on how it runs; keep its results with the policy).");
     }
     env[static_cast<size_t>(v)] = t;
   }
@@ -216,7 +238,7 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
 
     outs.clear();
     flatten_outputs(stack, outs);
-    store_outputs(source, i, outs, options.check_metadata, env);
+    store_outputs(source, i, outs, options.check_metadata, options.check_device, env);
     if (options.observer != nullptr) options.observer->after_op(i, observed_args, outs);
     if (last_use != nullptr) release_dead(rec, k, *last_use, *is_target, env);
     if (stats != nullptr) {

@@ -189,6 +189,7 @@ std::unique_ptr<capture::ExecGraph> capture_ops(capture::GraphDevice& device, co
   src.available = &capture_live;
   ReplayOptions ro;
   ro.set_rng = device.capture_executes();
+  ro.check_device = false;  // check_captured_outputs() after the capture (Note [Host tensors under capture])
   ro.observer = &forward;
   bool began = false;
   try {
@@ -277,6 +278,77 @@ std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<ui
   return tainted;
 }
 
+std::string host_tensor_read(const capture::Tape& tape, const std::vector<OpIndex>& graph_ops,
+                             c10::DeviceType graph_device) {
+  for (OpIndex i : graph_ops) {
+    for (const ArgRef& a : tape.op(i).inputs) {
+      const capture::TensorMeta& m = tape.value(a.value).meta;
+      if (static_cast<c10::DeviceType>(m.device_type) == graph_device) continue;
+      return "op #" + std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind) + " reads v" +
+             std::to_string(a.value) + " (" + describe_value(tape, a.value) + (m.sizes.empty() ? ", a 0-dim" : ", a") +
+             " tensor on " + device_of(m).str() + "); a " + c10::DeviceTypeName(graph_device, true) +
+             " graph would bake the value it saw at capture into every launch";
+    }
+  }
+  return {};
+}
+
+std::string check_captured_outputs(const capture::Tape& tape, const std::vector<OpIndex>& graph_ops,
+                                   const std::vector<at::Tensor>& env, std::optional<c10::DeviceType> graph_device,
+                                   std::vector<uint8_t>* copy_out, GraphFallback* reason) {
+  copy_out->assign(tape.values().size(), 0);
+  for (OpIndex i : graph_ops) {
+    for (ValueId v : tape.op(i).outputs) {
+      if (v < 0 || static_cast<size_t>(v) >= env.size() || !env[static_cast<size_t>(v)].defined()) continue;
+      const at::Tensor& t = env[static_cast<size_t>(v)];
+      const capture::TensorMeta& m = tape.value(v).meta;
+      const std::string what = "output v" + std::to_string(v) + " of op #" + std::to_string(i) + " " +
+                               capture::op_kind_name(tape.op(i).kind);
+      if (static_cast<int16_t>(t.scalar_type()) != m.dtype || !same_layout(m, t)) {
+        *reason = GraphFallback::kOutputMismatch;
+        return what + " was captured as " + std::string(c10::toString(t.scalar_type())) + " " +
+               c10::str(t.layout()) + ", the forward made " +
+               std::string(c10::toString(static_cast<c10::ScalarType>(m.dtype))) +
+               (m.strides.size() == m.sizes.size() ? " strided" : " non-strided");
+      }
+      if (!graph_device || same_device(m, t)) {
+        if (graph_device && t.device().type() != *graph_device) {
+          *reason = GraphFallback::kHostTensors;
+          return what + " is on " + t.device().str() + ": the op ran on the host once, during the capture";
+        }
+        continue;
+      }
+      if (t.device().type() != *graph_device) {
+        *reason = GraphFallback::kHostTensors;
+        return what + " was made on " + t.device().str() + " under capture (the forward: " + device_of(m).str() +
+               "): the op ran on the host once, during the capture";
+      }
+      (*copy_out)[static_cast<size_t>(v)] = 1;  // e.g. a philox seed: on the graph's device, handed out as a copy
+    }
+  }
+  return {};
+}
+
+std::vector<uint8_t> values_over_freed(const capture::Tape& tape, const std::vector<OpIndex>& graph_ops,
+                                       const std::vector<at::Tensor>& env,
+                                       const std::vector<capture::AddressRange>& freed) {
+  std::vector<uint8_t> over(tape.values().size(), 0);
+  if (freed.empty()) return over;
+  for (OpIndex i : graph_ops) {
+    for (ValueId v : tape.op(i).outputs) {
+      if (v < 0 || static_cast<size_t>(v) >= env.size() || !env[static_cast<size_t>(v)].defined()) continue;
+      const c10::Storage& st = env[static_cast<size_t>(v)].storage();
+      const auto begin = reinterpret_cast<uintptr_t>(st.data());
+      const uintptr_t end = begin + st.nbytes();
+      if (begin == 0 || end == begin) continue;
+      for (const capture::AddressRange& r : freed) {
+        if (r.begin < end && begin < r.begin + r.bytes) over[static_cast<size_t>(v)] = 1;
+      }
+    }
+  }
+  return over;
+}
+
 bool hash_constants(const std::vector<OpPayload>& payloads, const std::vector<OpIndex>& ops, uint64_t* hash) {
   common::Fnv64 h;
   for (OpIndex i : ops) {
@@ -307,6 +379,8 @@ struct GraphCache::Entry {
   std::vector<OpPayload> payloads;  // of the block call the graph was captured from
   std::vector<uint8_t> applied;     // the node mask the executable has now
   std::vector<ValueId> handed;      // values whose static tensors the last launch handed out
+  std::vector<uint8_t> copy_out;    // by ValueId: handed out as a copy on the forward's device (check_captured_outputs)
+  std::vector<uint8_t> unstageable;  // by ValueId: static storage over memory the capture freed (values_over_freed)
   int64_t bytes = 0;
   bool timing_asked = false;        // a timer was asked for a launch (LaunchTiming::kFirst: only the first)
 
@@ -369,6 +443,12 @@ struct GraphCache::Entry {
           return refuse(out, GraphFallback::kStagingConflict,
                         "value v" + std::to_string(v) + " read by op #" + std::to_string(i) +
                             " has no static buffer in the graph");
+        }
+        if (v < unstageable.size() && unstageable[v]) {
+          return refuse(out, GraphFallback::kStagingConflict,
+                        "op #" + std::to_string(i) + " reads v" + std::to_string(v) + " as kept, but its static buffer "
+                        "reuses memory an earlier captured op freed during the capture (its scratch): that op would "
+                        "overwrite the staged bytes");
         }
         if (written[static_cast<size_t>(tape.value(a.value).storage)]) {
           return refuse(out, GraphFallback::kStagingConflict,
@@ -482,6 +562,10 @@ struct GraphCache::Entry {
       } else {
         // A fresh TensorImpl over the static storage: whoever holds it shows in the storage's reference count.
         at::AutoDispatchBelowADInplaceOrView below_autograd;
+        if (v < copy_out.size() && copy_out[v]) {  // Note [Host tensors under capture]
+          result.emplace(r.value, statics[v].to(device_of(call.tape->value(r.value).meta)));
+          continue;
+        }
         result.emplace(r.value, at::alias(statics[v]));
         handed.push_back(r.value);
       }
@@ -506,7 +590,8 @@ int64_t GraphCache::static_bytes() const {
   for (const auto& [key, e] : entries_) {
     if (e->exec) total += e->bytes;
   }
-  return total;
+  // The device's capture overhead (GraphDevice::capture_overhead_bytes) is held from the first capture on.
+  return captured_ > 0 ? total + device_->capture_overhead_bytes() : total;
 }
 
 int64_t GraphCache::pending_bytes() const {
@@ -515,7 +600,7 @@ int64_t GraphCache::pending_bytes() const {
   for (const auto& [key, e] : entries_) {
     if (!e->exec && e->failed == GraphFallback::kNone) total += e->bytes;
   }
-  return total;
+  return captured_ == 0 && total > 0 ? total + device_->capture_overhead_bytes() : total;
 }
 
 void GraphCache::set_capture_enabled(bool enabled) {
@@ -551,9 +636,10 @@ bool GraphCache::ready_to_capture(Entry& e, const GraphCall& call, GraphReplayOu
     return false;
   }
   const int64_t peak = std::max(call.in_use, call.last_peak);
-  if (call.memory_limit > 0 && peak + e.bytes > call.memory_limit) {
+  const int64_t needed = e.bytes + (captured_ == 0 ? device_->capture_overhead_bytes() : 0);
+  if (call.memory_limit > 0 && peak + needed > call.memory_limit) {
     return refuse(out, GraphFallback::kMemoryLimit,
-                  "capturing the block needs " + std::to_string(e.bytes) + " bytes of static memory, held from "
+                  "capturing the block needs " + std::to_string(needed) + " bytes of static memory, held from "
                   "then on; the step peaks at " + std::to_string(peak) + " bytes under a limit of " +
                       std::to_string(call.memory_limit));
   }
@@ -566,6 +652,14 @@ bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIn
                          const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out) {
   const capture::Tape& tape = *call.tape;
   e.bytes = capture_bytes(tape, graph_ops, capture_live);  // pending until captured (pending_bytes)
+  if (const auto bound = device_->graph_device_type()) {
+    std::string host = host_tensor_read(tape, graph_ops, *bound);
+    if (!host.empty()) {
+      e.failed = GraphFallback::kHostTensors;
+      e.failed_detail = std::move(host);
+      return refuse(out, e.failed, e.failed_detail);
+    }
+  }
   if (!ready_to_capture(e, call, out)) return false;
   const std::vector<at::Tensor> inputs = static_inputs(tape, capture_live);
   std::vector<at::Tensor> env;
@@ -582,7 +676,18 @@ bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIn
     e.failed_detail = verdict.detail;
     return refuse(out, e.failed, e.failed_detail);
   }
+  std::vector<uint8_t> copy_out;
+  GraphFallback mismatch = GraphFallback::kNone;
+  std::string bad = check_captured_outputs(tape, graph_ops, env, device_->graph_device_type(), &copy_out, &mismatch);
+  if (!bad.empty()) {
+    e.failed = mismatch;
+    e.failed_detail = std::move(bad);
+    return refuse(out, e.failed, e.failed_detail);
+  }
+  std::vector<uint8_t> unstageable = values_over_freed(tape, graph_ops, env, device_->freed_during_capture());
   e.adopt(std::move(exec), tape, graph_ops, capture_live, std::move(env), *call.payloads);
+  e.copy_out = std::move(copy_out);
+  e.unstageable = std::move(unstageable);
   ++captured_;
   out.captured = true;
   return true;

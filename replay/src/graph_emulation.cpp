@@ -134,8 +134,10 @@ class EmulatedLaunchTimer final : public capture::LaunchTimer {
 
 class EmulatedGraphDevice final : public capture::GraphDevice {
  public:
+  explicit EmulatedGraphDevice(std::optional<c10::DeviceType> bound) : bound_(bound) {}
   const char* name() const override { return "emulated"; }
   bool capture_executes() const override { return true; }
+  std::optional<c10::DeviceType> graph_device_type() const override { return bound_; }
 
   void begin_capture() override {
     if (capturing_) throw std::logic_error("EmulatedGraphDevice::begin_capture: a capture is already in progress");
@@ -185,12 +187,15 @@ class EmulatedGraphDevice final : public capture::GraphDevice {
   }
 
  private:
+  std::optional<c10::DeviceType> bound_;
   bool capturing_ = false;
   std::vector<Node> nodes_;
 };
 
 }  // namespace
 
-std::shared_ptr<capture::GraphDevice> make_emulated_graph_device() { return std::make_shared<EmulatedGraphDevice>(); }
+std::shared_ptr<capture::GraphDevice> make_emulated_graph_device(std::optional<c10::DeviceType> graph_device_type) {
+  return std::make_shared<EmulatedGraphDevice>(graph_device_type);
+}
 
 }  // namespace tapesac::replay

@@ -26,6 +26,8 @@ const char* to_string(GraphFallback reason) {
     case GraphFallback::kUnsupportedArgs: return "unsupported_args";
     case GraphFallback::kGraphLimit: return "graph_limit";
     case GraphFallback::kMemoryLimit: return "memory_limit";
+    case GraphFallback::kHostTensors: return "host_tensors";
+    case GraphFallback::kOutputMismatch: return "output_mismatch";
   }
   return "unknown";
 }

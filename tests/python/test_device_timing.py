@@ -104,6 +104,7 @@ def test_cuda_static_policy_keeps_the_cpu_clock(tapesac) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.profiler  # last in the session: after it tapesac can never claim CUPTI in this process (conftest)
 def test_cuda_profiler_keeps_cupti(tapesac) -> None:
     model = _qwen("cuda")
     sac = tapesac.TapeSAC(model, memory_limit="90%")
@@ -115,3 +116,20 @@ def test_cuda_profiler_keeps_cupti(tapesac) -> None:
     # The profiler's own trace still has the step's kernels.
     assert any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
     sac.close()
+
+
+def test_profiler_tests_run_after_every_other_test() -> None:
+    """Issue 17 item 5: once torch.profiler ran, kineto stays subscribed to CUPTI for the rest of the process, so
+    the tests marked `profiler` are collected last (conftest.profiler_last), each group in its own order."""
+    from conftest import profiler_last
+
+    class Item:
+        def __init__(self, name: str, profiler: bool) -> None:
+            self.name, self.profiler = name, profiler
+
+        def get_closest_marker(self, marker: str):
+            return object() if marker == "profiler" and self.profiler else None
+
+    items = [Item("cupti_a", False), Item("prof_1", True), Item("cupti_b", False), Item("prof_2", True)]
+    profiler_last(items)
+    assert [i.name for i in items] == ["cupti_a", "cupti_b", "prof_1", "prof_2"]

@@ -366,3 +366,25 @@ def test_a_random_op_outside_the_graph_between_its_random_ops_is_refused() -> No
     last = res.stats
     assert last.graph_fallback_reasons == {"rng_mismatch": 2}, last.graph_fallback_reasons
     assert all("cannot be in the graph but draws between" in b.graph_detail for b in last.blocks)
+
+
+@pytest.mark.parametrize("bound", ["cpu", "cuda"])
+def test_a_graph_bound_to_another_device_refuses_host_tensors(bound: str, monkeypatch) -> None:
+    """Issue 17 item 7 (Note [Host tensors under capture]): a graph bound to a device type never captures ops that
+    read tensors elsewhere (a CUDA graph bakes a CPU scalar's value in at capture). The emulation bound to "cuda"
+    sees this CPU model's every input as a host tensor: each replay falls back to eager with reason host_tensors,
+    and the gradients stay bitwise equal to no checkpointing; bound to "cpu" it launches graphs as usual."""
+    import tapesac
+
+    orig = tapesac._C.emulated_graph_device
+    monkeypatch.setattr(tapesac._C, "emulated_graph_device", lambda: orig(bound))
+    s = scenario("mlp")
+    res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, steps=3, block_calls=3, sac_kwargs=GRAPH)
+    last = res.stats
+    if bound == "cpu":
+        assert last.graph_replays == last.replays > 0 and last.graph_fallbacks == 0, last.graph_fallback_reasons
+    else:
+        assert last.graph_replays == 0 and last.graph_fallbacks == last.replays > 0
+        assert set(last.graph_fallback_reasons) == {"host_tensors"}, last.graph_fallback_reasons
+        details = {b.graph_detail for b in last.blocks}
+        assert all("tensor on cpu" in d and "cuda graph would bake" in d for d in details), details

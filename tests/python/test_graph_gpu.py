@@ -101,6 +101,9 @@ def test_cuda_graph_replays_the_forwards_dropout_masks(model: str) -> None:
             return (torch.randn(M.B, M.T, M.D, device="cuda", requires_grad=True),)
 
         blocks, calls, loss = "blocks.*", 3, default_loss
+    # fp32 attention with dropout runs the memory-efficient kernel, whose Philox seed and offset are CPU tensors
+    # eagerly and CUDA tensors under capture: the launch hands them out as CPU copies (issue 17 item 3), else the
+    # backward would dereference device pointers on the host.
     # reference_check seeds both runs identically, so equal gradients mean equal masks; it also checks that the
     # CUDA RNG state after the step is the reference's (the graph launch must put the generator back).
     res = reference_check(make, inputs, "full", blocks, loss, steps=3, device="cuda", block_calls=calls,
@@ -200,6 +203,7 @@ def test_cuda_graph_device_binding(tapesac: Any) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.profiler  # its last step runs torch.profiler: last in the session (conftest)
 def test_cuda_graph_launches_are_timed_per_op_by_cupti(tapesac: Any) -> None:
     """graph_timing="every": from step 3 every launch is timed by CUPTI, the matmuls are charged device time, and
     the gradients stay equal to no checkpointing (reference_check). Under torch.profiler, which holds CUPTI, the
@@ -230,3 +234,68 @@ def test_cuda_graph_launches_are_timed_per_op_by_cupti(tapesac: Any) -> None:
             [b.graph_timing_note for b in st.blocks]
     finally:
         sac.close()
+
+
+class _SyncBlock(nn.Module):
+    """A linear layer and a torch.nonzero on its output: nonzero synchronises with the host, which invalidates a
+    CUDA-graph capture of the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(M.D, M.D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.lin(x))
+        return h * (torch.nonzero(h).shape[0] >= 0)
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_the_process_usable(tapesac: Any) -> None:
+    """Issue 17 item 2: every capture of the block fails (capture_invalidated) and its replays fall back to eager,
+    exactly; the arena routing of those eager replays and later eager dropouts and captures still work."""
+    def make() -> nn.Module:
+        return M.Stack([_SyncBlock(), M.DropoutBlock()])
+
+    def inputs() -> tuple[torch.Tensor]:
+        return (torch.randn(M.B, M.T, M.D, device="cuda", requires_grad=True),)
+
+    res = reference_check(make, inputs, "full", "blocks.*", default_loss, steps=3, device="cuda", block_calls=2,
+                          sac_kwargs={"backend": "cuda_graph"})
+    reasons = set().union(*(set(s.graph_fallback_reasons) for s in res.all_stats))
+    assert "capture_invalidated" in reasons, reasons
+    d = torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5, training=True)
+    assert 0 < int((d > 0).sum()) < 4096
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(16, device="cuda")
+    with torch.cuda.graph(g):
+        y = x * 2
+    g.replay()
+    assert torch.equal(y, torch.full_like(x, 2.0))
+
+
+class _CpuScalarBlock(nn.Module):
+    """A linear layer scaled by a 0-dim CPU tensor (CUDA ops accept CPU scalars; a graph would bake its value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(M.D, M.D)
+        self.scale = torch.tensor(1.5)  # stays on the CPU: not a parameter or buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+@pytest.mark.gpu
+def test_a_block_reading_a_cpu_scalar_is_not_captured(tapesac: Any) -> None:
+    """Issue 17 item 7: a captured op reading a CPU scalar tensor would replay its capture-time value; such a block
+    replays eagerly with reason host_tensors, exactly."""
+    def make() -> nn.Module:
+        return M.Stack([_CpuScalarBlock(), _CpuScalarBlock()])
+
+    def inputs() -> tuple[torch.Tensor]:
+        return (torch.randn(M.B, M.T, M.D, device="cuda", requires_grad=True),)
+
+    res = reference_check(make, inputs, "full", "blocks.*", default_loss, steps=3, device="cuda", block_calls=2,
+                          sac_kwargs={"backend": "cuda_graph"})
+    last = res.stats
+    assert last.graph_replays == 0 and set(last.graph_fallback_reasons) == {"host_tensors"}, last

@@ -45,6 +45,7 @@ def _profiler_peak(prof) -> int:
     return peak
 
 
+@pytest.mark.profiler  # last in the session: a profiler session keeps kineto subscribed to CUPTI (conftest)
 @pytest.mark.parametrize("policy", ["full", "none", {"aten::mm", "aten::addmm"}])
 @pytest.mark.parametrize("which", ["qwen3", "stack"])
 def test_peak_agrees_with_profiler(tapesac, policy, which) -> None:

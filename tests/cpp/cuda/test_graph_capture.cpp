@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <set>
 
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -143,4 +145,85 @@ TEST(CudaGraphCapture, DropoutMasksMatchEagerAndSurvivePruning) {
   torch::cuda::synchronize();
   EXPECT_TRUE(bitwise_equal(c, ec));
   EXPECT_TRUE(bitwise_equal(a, torch::full_like(a, -1)));
+}
+
+// Issue 17 item 4 (Note [Capture stream]): every capture on a device runs on one stream, warmed before the first
+// capture, so cuBLAS's per-stream workspace is allocated outside the capture and counted.
+TEST(CudaGraphCapture, CapturesShareOneWarmedStreamPerDevice) {
+  TAPESAC_NEED_DEVICE();
+  tc::GraphCapture a, b;
+  EXPECT_EQ(a.stream(), b.stream());
+  // The warm-up's workspace bytes (0 when a pool stream cuBLAS had already used was taken: nothing new to count).
+  EXPECT_GE(tc::capture_workspace_bytes(0), 0);
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  auto x = torch::randn({64, 64}, opts);
+  const int64_t before =
+      static_cast<int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current);
+  a.begin();
+  auto y = torch::mm(x, x);  // no workspace allocation under capture: the stream was warmed
+  a.after_op(0);
+  auto outcome = a.end();
+  ASSERT_TRUE(outcome.graph) << outcome.error;
+  const int64_t after =
+      static_cast<int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current);
+  EXPECT_LE(after - before, static_cast<int64_t>(y.nbytes()) + (1 << 20)) << "a workspace was allocated under capture";
+}
+
+// Issue 17 item 6 (Note [Staged values and captured scratch]): what the allocator freed during a capture is
+// reported (a later captured output, such as z, may sit on it).
+TEST(CudaGraphCapture, ReportsWhatTheAllocatorFreedDuringTheCapture) {
+  TAPESAC_NEED_DEVICE();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  auto x = torch::randn({1024}, opts);
+  tc::GraphCapture cap;
+  cap.begin();
+  uintptr_t scratch = 0;
+  {
+    auto t = torch::exp(x);  // freed inside the capture: scratch
+    scratch = reinterpret_cast<uintptr_t>(t.data_ptr());
+  }
+  cap.after_op(0);
+  auto z = x * 3;
+  cap.after_op(1);
+  auto outcome = cap.end();
+  ASSERT_TRUE(outcome.graph) << outcome.error;
+  bool found = false;
+  for (const auto& r : cap.freed()) found = found || (r.begin <= scratch && scratch < r.begin + r.bytes);
+  EXPECT_TRUE(found) << cap.freed().size() << " ranges reported";
+}
+
+// Issue 17 item 2: a capture that fails (a host synchronisation under capture) leaves no allocator routing behind
+// (a later capture into the same shared pool begins) and the default generator still draws eagerly.
+TEST(CudaGraphCapture, AFailedCaptureLeavesThePoolAndTheGeneratorUsable) {
+  TAPESAC_NEED_DEVICE();
+  const auto pool = at::cuda::graph_pool_handle();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  auto x = torch::randn({256}, opts);
+  {
+    tc::GraphCapture bad(tc::GraphCaptureOptions{pool.first, pool.second, false});
+    bad.begin();
+    auto r = torch::rand({16}, opts);  // a random op in the capture (RNG capture state)
+    bad.after_op(0);
+    try {
+      (void)torch::nonzero(x > 0);  // synchronises with the host: invalidates the capture
+    } catch (const std::exception&) {
+    }
+    bad.after_op(1);
+    auto outcome = bad.end();
+    EXPECT_FALSE(outcome.graph);
+    EXPECT_FALSE(outcome.error.empty());
+  }
+  (void)cudaGetLastError();
+  // Eager allocation routed into the shared pool, as the replay arena does, and an eager dropout.
+  auto s = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(0, pool, [&](cudaStream_t st) { return st == s.stream(); });
+  c10::cuda::CUDACachingAllocator::endAllocateToPool(0, pool);
+  auto d = torch::dropout(torch::ones({1024}, opts), 0.5, /*train=*/true);
+  EXPECT_GT(d.sum().item<float>(), 0.0f);
+  tc::GraphCapture good(tc::GraphCaptureOptions{pool.first, pool.second, false});
+  good.begin();
+  auto y = x * 2;
+  good.after_op(0);
+  auto outcome = good.end();
+  EXPECT_TRUE(outcome.graph) << outcome.error;
 }

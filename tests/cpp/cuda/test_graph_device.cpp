@@ -17,7 +17,7 @@
 #include <torch/torch.h>
 
 #include "cuda_test_util.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/cuda/device.h"
 #include "tapesac/cuda/graph_device.h"
 

@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "planner_test_util.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 
 namespace tapesac::planner {

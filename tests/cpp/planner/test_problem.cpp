@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "planner_test_util.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/problem.h"
 #include "tapesac/planner/problem_io.h"
 

@@ -10,7 +10,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 #include "tapesac/planner/problem_io.h"
 #include "tapesac/planner/select.h"

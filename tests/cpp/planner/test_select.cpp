@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "planner_test_util.h"
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/evaluate.h"
 #include "tapesac/planner/select.h"
 

@@ -32,7 +32,9 @@
 // unless asked otherwise (GraphOptions::time_launches).
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +59,12 @@ class LaunchTimer {
   virtual OpKernelTimes finish(size_t n_ops) = 0;
 };
 
+/// A byte range of device memory.
+struct AddressRange {
+  uintptr_t begin = 0;
+  size_t bytes = 0;
+};
+
 class GraphDevice {
  public:
   virtual ~GraphDevice() = default;
@@ -66,6 +74,17 @@ class GraphDevice {
   /// eager replay (each random op at its recorded state, the live generators untouched). A CUDA capture executes
   /// nothing and must leave the generators alone: its random kernels take their offsets from the launch.
   virtual bool capture_executes() const { return false; }
+  /// The device type whose memory the graph's nodes read and write (CUDA: kCUDA), or none when a capture runs every
+  /// op as it is, on any device (the emulation's default). A graph bound to a device type is captured only when
+  /// every captured op reads and makes tensors there (Note [Host tensors under capture], replay/graph_block.h).
+  virtual std::optional<c10::DeviceType> graph_device_type() const { return std::nullopt; }
+  /// Bytes the device holds for capturing at all, once, whatever the number of graphs (CUDA: the cuBLAS workspace
+  /// of its capture stream); the graph cache counts them in its static bytes.
+  virtual int64_t capture_overhead_bytes() const { return 0; }
+  /// The memory the last capture freed while it ran (an op's scratch, which a later op of the same capture may have
+  /// been given: Note [Staged values and captured scratch], replay/graph_block.h). Empty when this device cannot
+  /// tell (the emulation runs every op on its own static tensors: no such reuse).
+  virtual std::vector<AddressRange> freed_during_capture() const { return {}; }
   virtual void begin_capture() = 0;
   virtual void after_op(OpIndex op, const torch::jit::Stack& args, const std::vector<at::Tensor>& outputs) = 0;
   virtual std::unique_ptr<ExecGraph> end_capture(std::string* error) = 0;

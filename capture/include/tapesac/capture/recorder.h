@@ -12,7 +12,6 @@
 // — and find_value() answers -1 for it, so that a saved tensor with such bytes is opaque (kept and counted).
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -30,9 +29,6 @@
 #include "tapesac/capture/op_timer.h"
 #include "tapesac/capture/ptr_index_map.h"
 #include "tapesac/capture/tape.h"
-// Not needed by this header: kept while replay's block_call, contract and session sources and bind_replay.cpp reach
-// storage_key / detached_alias through it (they should include tensor_identity.h themselves).
-#include "tapesac/capture/tensor_identity.h"
 
 namespace tapesac::capture {
 
@@ -116,7 +112,7 @@ class Recorder {
     bool timed = false;      // the op timer has a bracket open for this frame
     // Inputs that read bytes no recorded op wrote: (index in `inputs`, the tensor read). Usually empty.
     std::vector<std::pair<size_t, at::Tensor>> unwritten;
-    std::chrono::steady_clock::time_point start;
+    int64_t start_ns = 0;    // common::now_ns() at entry when options_.time_ops
   };
 
   static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);

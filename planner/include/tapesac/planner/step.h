@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "tapesac/capture/errors.h"
+#include "tapesac/common/errors.h"
 #include "tapesac/planner/frontier.h"
 #include "tapesac/planner/peak_model.h"
 

@@ -102,6 +102,10 @@ struct AttnMatch {
   capture::OpIndex o_mm = -1;               // the o projection
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   capture::ValueId out = -1, lse = -1, o_in = -1, o_w = -1;
+  /// The kernel's other outputs (CUDA kernels: sequence offsets, philox state, debug mask), read by autograd only.
+  std::vector<capture::ValueId> extra;
+  /// Boxed position of the kernel's attention mask / bias argument (-1: the kernel takes none).
+  int mask_arg = -1;
   /// Values between `out` and the o projection (reweighted per head), with their layouts.
   std::vector<std::pair<capture::ValueId, HeadLayout>> scaled;
   /// Every value of the component (q/k/v branches, SDPA outputs, the o branch).
@@ -109,8 +113,10 @@ struct AttnMatch {
   std::string rejected;
 };
 
-/// Attention components on `tape`: the CPU flash SDPA kernel (aten::_scaled_dot_product_flash_attention_for_cpu,
-/// no dropout) whose q, k and v each come from one projection through head-local ops only. Pure function.
+/// Attention components on `tape`: an SDPA kernel whose backward reads its logsumexp (the CPU flash kernel
+/// aten::_scaled_dot_product_flash_attention_for_cpu, and on CUDA aten::_scaled_dot_product_flash_attention,
+/// _scaled_dot_product_efficient_attention and _scaled_dot_product_cudnn_attention; no dropout) whose q, k and v
+/// each come from one projection through head-local ops only. Pure function.
 std::vector<AttnMatch> match_attention(const capture::Tape& tape, const std::vector<capture::OpPayload>& payloads);
 
 /// Selection of `k` of `importance.size()` units. Greedy: the k largest (weights 1). Sketch: systematic sampling in
@@ -148,6 +154,7 @@ class BlockApprox : public OpOverride {
     int64_t heads = 0;
     std::optional<c10::OperatorHandle> sdpa;
     std::vector<int64_t> out_sizes, out_strides, lse_sizes, lse_strides;
+    int mask_arg = -1;  // boxed position of the kernel's mask / bias (-1: none)
   };
   enum class Role { kColumns, kQ, kKv, kSdpa };
   struct OpUse {

@@ -53,8 +53,12 @@ class ReplayObserver {
 };
 
 struct ReplayOptions {
-  /// Check each replayed output's sizes, strides and dtype against the tape (the cheap part of the contract).
+  /// Check each replayed output's sizes, strides, dtype, layout and device against the tape (the cheap part of
+  /// the contract).
   bool check_metadata = true;
+  /// With check_metadata: compare the device too. Off for a capture run on a graph device, whose outputs may sit on
+  /// the graph's device where the forward's were on the host (GraphCache checks them: check_captured_outputs()).
+  bool check_device = true;
   /// Borrowed; null: every op runs as recorded.
   const OpOverride* op_override = nullptr;
   /// Put each random op's generator at its recorded state for the call (false under graph capture: the captured
@@ -63,6 +67,13 @@ struct ReplayOptions {
   /// Borrowed; null: none.
   ReplayObserver* observer = nullptr;
 };
+
+/// Whether `t` has the layout (strided or not) the forward recorded in `m`.
+bool same_layout(const capture::TensorMeta& m, const at::Tensor& t);
+/// The device the forward recorded in `m`.
+c10::Device device_of(const capture::TensorMeta& m);
+/// Whether `t` is on the device (type and index) the forward recorded in `m`.
+bool same_device(const capture::TensorMeta& m, const at::Tensor& t);
 
 /// Predicted peak bytes a replay of `plan` (the pruned closure of `targets`) allocates, from the tape's sizes:
 /// every storage an op in the plan creates is allocated when the op runs (while its inputs are alive) and freed

@@ -24,11 +24,32 @@
 //  * the device can make the random ops draw the forward's numbers (rng_mismatch).
 // Launched targets are the static tensors themselves (no copy): autograd reads them before the next launch of
 // the same graph, which the liveness check enforces.
+//
+// Note [Host tensors under capture]. A graph bound to a device type (GraphDevice::graph_device_type(): CUDA) holds
+// only that device's work. An op that reads a tensor elsewhere (a CPU scalar tensor multiplying a CUDA tensor, an
+// index on the host) is captured with the host value it saw *at capture* baked into its kernel's arguments or a
+// copy node, and an op whose output is on the host ran once, on the host, during the capture: later launches would
+// compute with stale values. So a key whose captured ops read a tensor the forward had off the graph's device is
+// never captured (host_tensors; its replays are eager), and after a capture every captured output is compared with
+// the forward's metadata (check_captured_outputs()): dtype or layout differing refuses the graph
+// (output_mismatch), an output made off the graph's device refuses it (host_tensors), and an output on the graph's
+// device that the forward made elsewhere (memory-efficient attention's philox seed and offset: CPU tensors when run
+// eagerly, CUDA tensors under capture; its backward reads them on the host) is handed out as a copy on the
+// forward's device, never as the static tensor.
+//
+// Note [Staged values and captured scratch]. Inside one capture the caching allocator hands a block freed by an
+// earlier captured op (its scratch, freed before the capture ended) to a later captured allocation, such as op B's
+// output. At launch op A's kernels write that scratch again: with A enabled and B disabled, B's output kept and
+// staged into its static buffer before the launch, A overwrites the staged bytes. The device reports what the
+// capture freed (GraphDevice::freed_during_capture(); CUDA: the allocator's trace during the capture), the values
+// whose static storage overlaps it are unstageable (values_over_freed()), and a launch that would stage one falls
+// back (staging_conflict). Static inputs are allocated before the capture, outside its pool: never affected.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -98,6 +119,25 @@ struct GraphReplayOutcome {
 /// capture leaves out. `capture_live` receives, per value, 1 when the capture reads it from a static buffer.
 std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<uint8_t>& available,
                                  std::vector<uint8_t>* capture_live);
+
+/// Why `graph_ops` must not be captured into a graph bound to `graph_device` (Note [Host tensors under capture]):
+/// a captured op reads a value the forward had on another device type. "" when none does.
+std::string host_tensor_read(const capture::Tape& tape, const std::vector<capture::OpIndex>& graph_ops,
+                             c10::DeviceType graph_device);
+
+/// Compares the tensors a capture run made (`env`, by ValueId) for the outputs of `graph_ops` with the forward's
+/// metadata (Note [Host tensors under capture]). "" when the graph may be used; then `copy_out` (by ValueId) holds
+/// 1 for the outputs to hand out as a copy on the forward's device. Otherwise why not, and `*reason` says which
+/// fallback (kOutputMismatch or kHostTensors). `graph_device` none: only dtype and layout are compared.
+std::string check_captured_outputs(const capture::Tape& tape, const std::vector<capture::OpIndex>& graph_ops,
+                                   const std::vector<at::Tensor>& env, std::optional<c10::DeviceType> graph_device,
+                                   std::vector<uint8_t>* copy_out, GraphFallback* reason);
+
+/// Per ValueId, 1 for the outputs of `graph_ops` whose tensor in `env` (what the capture made) has its storage
+/// overlap a range of `freed` (Note [Staged values and captured scratch]).
+std::vector<uint8_t> values_over_freed(const capture::Tape& tape, const std::vector<capture::OpIndex>& graph_ops,
+                                       const std::vector<at::Tensor>& env,
+                                       const std::vector<capture::AddressRange>& freed);
 
 /// Hash of the constant (non-tensor) arguments of `ops`; false when one cannot be hashed (unsupported_args).
 bool hash_constants(const std::vector<capture::OpPayload>& payloads, const std::vector<capture::OpIndex>& ops,

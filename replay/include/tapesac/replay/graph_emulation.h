@@ -12,11 +12,15 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "tapesac/capture/graph_device.h"
 
 namespace tapesac::replay {
 
-std::shared_ptr<capture::GraphDevice> make_emulated_graph_device();
+/// `graph_device_type`: none (default) runs any op on any device; a type makes the emulation act as a graph bound to
+/// that device type (GraphDevice::graph_device_type()), so the replayer's device checks can be exercised on CPU.
+std::shared_ptr<capture::GraphDevice> make_emulated_graph_device(
+    std::optional<c10::DeviceType> graph_device_type = std::nullopt);
 
 }  // namespace tapesac::replay

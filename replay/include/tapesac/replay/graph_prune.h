@@ -48,6 +48,8 @@ enum class GraphFallback : uint8_t {
   kUnsupportedArgs,     ///< an op's constant arguments cannot be compared across block calls
   kGraphLimit,          ///< the session already holds its maximum number of captured graphs
   kMemoryLimit,         ///< capturing the block would not fit under the memory limit
+  kHostTensors,         ///< a captured op reads or makes a tensor off the graph's device (baked in at capture)
+  kOutputMismatch,      ///< a captured output has another dtype, layout or device than the forward's
 };
 
 /// Stable snake_case name ("memory_nodes", ...) for telemetry.

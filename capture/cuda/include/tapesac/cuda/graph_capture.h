@@ -2,8 +2,9 @@
 //
 // Contract.
 //  * GraphCapture captures through at::cuda::CUDAGraph(keep_graph=true), so PyTorch's RNG bookkeeping applies
-//    (random ops draw (seed, base offset + intragraph offset) at each replay, reference/cuda.md §B6), on a side
-//    stream taken from PyTorch's pool, in cudaStreamCaptureModeThreadLocal. The caller warms the block up eagerly
+//    (random ops draw (seed, base offset + intragraph offset) at each replay, reference/cuda.md §B6), on the
+//    device's capture stream (one per device, warmed once: Note [Capture stream]), in
+//    cudaStreamCaptureModeThreadLocal. The caller warms the block up eagerly
 //    on stream() first (lazy cuBLAS/cuDNN init must not happen under capture), then: begin(); for each tape op, run
 //    it and call after_op(op) (or after_unowned() after work that is no tape op's); end().
 //  * after_op() lists the graph's nodes mid-capture (cudaStreamGetCaptureInfo + cudaGraphGetNodes under a Relaxed
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "tapesac/capture/exec_graph.h"
+#include "tapesac/capture/graph_device.h"
 
 namespace tapesac::cuda {
 
@@ -60,6 +62,9 @@ class CudaExecGraph final : public capture::ExecGraph {
   /// instantiation (GraphCaptureOptions::map_exec_nodes off, or CUPTI unavailable: exec_map_note() says why).
   const std::unordered_map<uint64_t, capture::OpIndex>* exec_node_owner() const;
   const std::string& exec_map_note() const;
+  /// rng_state_epoch() when this graph's capture began: its random ops draw from the default generator's state
+  /// object of that epoch.
+  uint64_t rng_epoch() const;
   /// Writes the template graph as Graphviz dot (cudaGraphDebugDotPrint, verbose) for debugging.
   void dump_dot(const std::string& path) const;
 
@@ -84,6 +89,9 @@ class GraphCapture {
 
   /// The side stream (a cudaStream_t) the warm-up and the capture run on.
   void* stream() const;
+  /// The memory the device's allocator freed while this capture ran (its allocator trace; Note [Staged values and
+  /// captured scratch] in replay/graph_block.h). Complete once end() returned.
+  const std::vector<capture::AddressRange>& freed() const;
   /// Makes the side stream current (after the caller's stream's work) and begins capturing.
   void begin();
   /// Attributes the nodes added since the last call to tape op `op` (ops in tape order).
@@ -97,5 +105,16 @@ class GraphCapture {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// How many times a failed capture left the default CUDA generator in capture mode (torch's older generator design:
+/// capture_end() threw before its RNG epilogue) and GraphCapture gave it a fresh state object at the same seed and
+/// offset. Graphs captured in an earlier epoch drew from the replaced object: their random ops cannot reproduce a
+/// forward any more (CudaGraphDevice::before_launch refuses them).
+uint64_t rng_state_epoch();
+
+/// Bytes of the cuBLAS workspaces the capture stream of `device` holds (Note [Capture stream] in
+/// graph_capture.cpp): measured when the stream was warmed before its first capture; until then the size
+/// CUBLAS_WORKSPACE_CONFIG gives each (handle, stream) pair.
+int64_t capture_workspace_bytes(int device);
 
 }  // namespace tapesac::cuda

@@ -50,6 +50,11 @@ class CudaGraphDevice final : public capture::GraphDevice {
   CudaGraphDevice& operator=(const CudaGraphDevice&) = delete;
 
   const char* name() const override { return "cuda_graph"; }
+  std::optional<c10::DeviceType> graph_device_type() const override { return c10::DeviceType::CUDA; }
+  /// The cuBLAS workspace of this device's capture stream (capture_workspace_bytes()).
+  int64_t capture_overhead_bytes() const override;
+  /// What the allocator freed on this device during the last capture (GraphCapture::freed()).
+  std::vector<capture::AddressRange> freed_during_capture() const override { return last_freed_; }
   void begin_capture() override;
   void after_op(capture::OpIndex op, const torch::jit::Stack& args, const std::vector<at::Tensor>& outputs) override;
   std::unique_ptr<capture::ExecGraph> end_capture(std::string* error) override;
@@ -77,6 +82,7 @@ class CudaGraphDevice final : public capture::GraphDevice {
   uint64_t pool_first_, pool_second_;
   bool map_exec_nodes_;
   std::unique_ptr<GraphCapture> capture_;
+  std::vector<capture::AddressRange> last_freed_;
   std::unique_ptr<DeviceGuard> device_guard_;  // the caller's device, restored after the capture's stream
   /// The default generator's state saved by before_launch(), put back by after_launch().
   std::optional<at::Generator> saved_generator_;

@@ -32,7 +32,7 @@ from .hooks import StepHooks
 from .log import Once, logger
 from .logs import StepLog
 from .memory import MemoryStats, parse_memory_limit
-from .policy import OpSetPolicy, parse_policy
+from .policy import CallablePolicy, OpSetPolicy, parse_policy
 from .preserve import Trial
 from .stats import BlockStats, StepStats, block_stats_from, step_stats_from
 
@@ -200,6 +200,14 @@ class TapeSAC:
         except GeneratorExit:
             abandoned = True  # closed without __exit__: garbage-collected (or closed) while the step was open
             raise
+        except RuntimeError as e:
+            if not isinstance(e, TapeSACError) and "support saved tensor hooks" in str(e):
+                raise TapeSACError(
+                    "tapesac: a torch.func transform (grad, vjp, jacrev, hessian) ran inside the forward of a block "
+                    "tapesac records, and torch.func refuses saved-tensor hooks. Call the transform outside the "
+                    "blocks' forward (a transform over whole blocks runs untouched, its tensors kept), or leave this "
+                    "block out of `blocks=`.") from e
+            raise
         finally:
             self._hooks.remove()
             self._session.end_step()
@@ -220,6 +228,7 @@ class TapeSAC:
                     f"the statistics may have been wrong meanwhile). Exit every step you enter: `with sac.step():` "
                     f"around forward and backward, or __exit__ after the backward in a callback; or let tapesac "
                     f"delimit the steps (sac.attach(optimizer), tapesac.integrations).")
+        self._raise_policy_error()
         # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
         self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)
 
@@ -277,6 +286,19 @@ class TapeSAC:
                               else "replay bounds only its own allocations: keep more (policy 'auto', an op set) or "
                                    "schedule='planned'. ")
                            + "StepStats.over_limit flags every such step; this is warned once.")
+
+    def _raise_policy_error(self) -> None:
+        """A policy callable that raised (its blocks kept everything, so the step was exact) reaches the user."""
+        error = self._save_op.take_error() if isinstance(self._save_op, CallablePolicy) else None
+        if error is None:
+            return
+        op, e = error
+        blocks = [b.name for b in (self._last.blocks if self._last else ()) if "policy callable" in b.capture_error]
+        where = f" in block {blocks[0]!r}" if blocks else ""
+        raise ConfigError(
+            f"tapesac: the policy callable raised {type(e).__name__}: {e} (deciding op {op!r}{where}); it must return "
+            f"True (keep the op's output) or False (drop it) for every op name. This step kept everything, so its "
+            f"gradients are exact.") from e
 
     def _warn_unmatched(self) -> None:
         if self._warned_unmatched or not isinstance(self._save_op, OpSetPolicy) or not self._last:

@@ -1,16 +1,38 @@
 """The hooks of one step: a forward pre-hook and post-hook on every block, installed by ``sac.step()`` and removed
 in its ``finally``. The pre-hook opens a block call in the C++ session and enters the saved-tensor hooks whose
 pack/unpack are C++ functions; the post-hook closes them. Blocks nested in an open block record into it.
+
+Hooks act only on the step's thread (the one that called ``install()``): module hooks fire on every thread that runs
+the model, while the recorder, the saved-tensor hooks and the session's open block are the step's own. Another
+thread's block calls run untouched (see Note [other threads]). Block calls under a torch.func transform run untouched
+too (see Note [torch.func]).
+
+Note [other threads]: a pre-hook on another thread would open the step's block call from there, push saved-tensor hooks
+onto that thread's stack and let the step's post-hook pop them from the wrong thread (PyTorch's assert in
+SavedTensorHooks.cpp, heap corruption); and the step would count and record another thread's calls.
+
+Note [torch.func]: grad, vjp, jacrev and hessian disable saved-tensor hooks while they run (pushing ours raises
+PyTorch's untyped "don't yet support saved tensor hooks"), and under vmap / jvp the tensors are functorch wrappers a
+replay outside the transform cannot rebuild. So a block call made while a transform is active is not recorded: its
+tensors are saved by autograd as usual (kept), and the step counts it (`StepHooks.aside_calls`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import threading
+
 import torch
 from torch import nn
 
 __all__ = ["StepHooks"]
+
+
+def _functorch_active() -> bool:
+    """True while a torch.func transform runs on this thread (Note [torch.func])."""
+    return (torch._C._functorch.peek_interpreter_stack() is not None
+            or not torch._C._autograd._saved_tensors_hooks_is_enabled())
 
 
 class StepHooks:
@@ -21,8 +43,13 @@ class StepHooks:
         self._blocks = list(blocks)
         self._handles: list[Any] = []
         self._open: list[tuple[nn.Module, Any]] = []
+        self._thread: int | None = None
+        self.aside_calls = 0  # block calls of this step run untouched under a torch.func transform
 
     def install(self) -> None:
+        """Installs the hooks for a step on the calling thread (the step's thread: the only one they act on)."""
+        self._thread = threading.get_ident()
+        self.aside_calls = 0
         for name, module in self._blocks:
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(module), always_call=True))
@@ -48,7 +75,12 @@ class StepHooks:
         session = self._session
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if threading.get_ident() != self._thread:  # Note [other threads]
+                return None
             if not torch.is_grad_enabled() or session.block_open:
+                return None
+            if _functorch_active():  # Note [torch.func]
+                self.aside_calls += 1
                 return None
             if session.begin_block(name):
                 hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
@@ -60,6 +92,8 @@ class StepHooks:
 
     def _post_hook(self, module: nn.Module) -> Callable[..., None]:
         def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
+            if threading.get_ident() != self._thread:  # Note [other threads]
+                return None
             if self._open and self._open[-1][0] is module:
                 self._close_top_block()
             return None

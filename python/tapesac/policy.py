@@ -13,7 +13,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["POLICIES", "OpSetPolicy", "parse_policy"]
+__all__ = ["POLICIES", "CallablePolicy", "OpSetPolicy", "parse_policy"]
 
 POLICIES = ("none", "full", "auto")
 
@@ -68,6 +68,28 @@ class OpSetPolicy:
         return [op for name, op in {**self.exact, **self.packets}.items() if name not in self.matched]
 
 
+class CallablePolicy:
+    """A user's callable op_name -> bool as save_op. The session keeps everything of a block whose decision raised
+    (decide.cpp); this remembers the first exception, which the step then raises as a ConfigError chaining it."""
+
+    def __init__(self, fn: Callable[[str], Any]):
+        self.fn = fn
+        self.error: tuple[str, BaseException] | None = None
+
+    def __call__(self, op_name: str) -> bool:
+        try:
+            return bool(self.fn(op_name))
+        except Exception as e:
+            if self.error is None:
+                self.error = (op_name, e)
+            raise
+
+    def take_error(self) -> tuple[str, BaseException] | None:
+        """(op name, exception) of the first call that raised since the last take_error(), else None."""
+        error, self.error = self.error, None
+        return error
+
+
 def parse_policy(policy: Any) -> tuple[str, str, Callable[[str], bool] | None]:
     """(label, session policy, save_op) of a TapeSAC policy other than None: the label is what StepStats.policy says
     ("none", "full", "auto", "save_ops" or "callable"), the session policy what _C.Session takes ("plan" for auto)."""
@@ -83,7 +105,7 @@ def parse_policy(policy: Any) -> tuple[str, str, Callable[[str], bool] | None]:
     if isinstance(policy, (set, frozenset, list, tuple)):
         return "save_ops", "save_ops", OpSetPolicy(policy)
     if callable(policy):
-        return "callable", "save_ops", lambda name: bool(policy(name))
+        return "callable", "save_ops", CallablePolicy(policy)
     raise ConfigError(
         f"policy must be one of {list(POLICIES)}, a set of op names, or a callable op_name -> bool; "
         f"got {type(policy).__name__}"

@@ -263,6 +263,7 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
     ++st.dropped_tensors;
     s.dropped = true;
     const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
+    s.storage = key;
     if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
       st.dropped_bytes += storage_bytes(s.tensor);
     }

@@ -28,6 +28,11 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   if (!s.dropped) return serve_kept(slot);
   const ValueId v = s.value;
   note_unpack(v);
+  if (at::Tensor alive = still_alive(s); alive.defined()) {  // Note [a dropped tensor still alive]
+    slots_[static_cast<size_t>(slot)].last_round = round_;
+    --remaining_[v];
+    return alive;
+  }
   if (!cache_.count(v)) replay_for(v);
   auto it = cache_.find(v);
   TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
@@ -40,9 +45,32 @@ at::Tensor BlockCall::unpack(int32_t slot) {
 void BlockCall::begin_backward() {
   // The first unpack of the step marks the start of the backward on the memory timeline.
   if (ctx_.memory && ctx_.memory->counter().phase() == allocator::Phase::kForward) {
-    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);
-    if (ctx_.watcher) ctx_.watcher->pause();
+    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);  // the watcher keeps watching: see
+                                                                     // Note [watching the backward] (preserve.h)
   }
+}
+
+// Note [a dropped tensor still alive]: a dropped saved tensor whose tensor is still alive when the backward unpacks
+// it (the block's output, which the next block holds as its input; an activation the user stored) is served as it
+// is, not replayed. Plain autograd reads that very storage, so its current bytes are what a run without tapesac
+// uses: a write to it after the forward that moves no version (through `.data`, in the forward, a backward hook or
+// between two backwards) must reach the gradient, where a replay would rebuild the bytes from before the write
+// (issue 18, random program 4322). Served only while it still has the storage and the view the forward saved (a
+// `.data = ...` replacement replays the forward's bytes, as before); an in-place write the version counter saw was
+// rejected above. Replaying it would only have cost time: it is alive, so dropping it freed nothing.
+at::Tensor BlockCall::still_alive(const Slot& s) const {
+  if (s.storage == nullptr || s.value < 0) return {};
+  c10::intrusive_ptr<c10::TensorImpl> impl = s.origin.lock();
+  if (!impl || !impl->has_storage() || impl->storage().unsafeGetStorageImpl() != s.storage) return {};
+  at::Tensor t(std::move(impl));
+  const capture::TensorMeta& m = recorder_.tape().value(s.value).meta;
+  if (!t.is_cpu() && !t.is_cuda()) return {};
+  if (t.layout() != c10::kStrided || t.storage_offset() != m.storage_offset ||
+      static_cast<int16_t>(t.scalar_type()) != m.dtype || !m.sizes.equals(t.sizes()) ||
+      !m.strides.equals(t.strides())) {
+    return {};
+  }
+  return capture::detached_alias(t);
 }
 
 at::Tensor BlockCall::serve_kept(int32_t slot) {

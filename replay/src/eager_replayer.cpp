@@ -132,10 +132,35 @@ bool same_device(const capture::TensorMeta& m, const at::Tensor& t) { return t.d
 
 namespace {
 
+// Why op `i`'s replay returned other metadata than the forward: the first input whose sizes, strides or dtype
+// differ from what the forward recorded; or, when every input is as recorded, the op's kernel itself.
+std::string divergence_cause(const ReplaySource& source, OpIndex i, const std::vector<at::Tensor>& env) {
+  const Tape& tape = *source.tape;
+  for (const ArgRef& a : tape.op(i).inputs) {
+    if (a.meta_only) continue;
+    const ReadSource src = classify_read(tape, *source.available, a.value, a.state, a.meta_only);
+    const auto v = static_cast<size_t>(a.value);
+    const at::Tensor& t = src == ReadSource::kLive ? (*source.live)[v] : env[v];
+    if (!t.defined()) continue;
+    const capture::TensorMeta& m = tape.value(a.value).meta;
+    const bool same = m.sizes.equals(t.sizes()) && static_cast<int16_t>(t.scalar_type()) == m.dtype &&
+                      (t.layout() != c10::kStrided || m.strides.equals(t.strides()));
+    if (same) continue;
+    return ". Its input v" + std::to_string(a.value) + " has sizes " + describe(t.sizes().vec()) + " where the "
+           "forward recorded " + describe(m.sizes.vec()) + ": the block's inputs or parameters changed shape between "
+           "forward and backward; run the backward before changing them.";
+  }
+  return ". Its inputs have the sizes, strides and dtypes the forward recorded, so the op's kernel itself returned "
+         "other metadata: replay runs inside the backward with grad mode off, where the forward ran it with grad mode "
+         "on (some kernels choose their layout or outputs by grad mode, e.g. oneDNN's RNN), or the kernel is not "
+         "deterministic in its output layout. Keep this op's outputs (a policy that saves it) or report the model.";
+}
+
 // Checks op `i`'s outputs against the tape (the count always, the metadata when `check_metadata`) and stores them
 // in `env`. Throws tapesac::Error (kReplayContract) on a divergence.
-void store_outputs(const Tape& tape, OpIndex i, const std::vector<at::Tensor>& outs, bool check_metadata,
+void store_outputs(const ReplaySource& source, OpIndex i, const std::vector<at::Tensor>& outs, bool check_metadata,
                    bool check_device, std::vector<at::Tensor>& env) {
+  const Tape& tape = *source.tape;
   const OpRecord& rec = tape.op(i);
   TAPESAC_CHECK(outs.size() == rec.outputs.size(), kReplayContract, "replay of op ", op_label(tape, i), " returned ",
                 outs.size(), " tensors but the forward returned ", rec.outputs.size(),
@@ -155,8 +180,7 @@ void store_outputs(const Tape& tape, OpIndex i, const std::vector<at::Tensor>& o
                                       std::to_string(static_cast<int>(t.scalar_type())) + " layout " +
                                       c10::str(t.layout())
                                 : std::string("an undefined tensor"),
-                    ". The block's inputs or parameters changed shape between forward and backward; run the "
-                    "backward before changing them.");
+                    divergence_cause(source, i, env));
       TAPESAC_CHECK(!check_device || same_device(m, t), kReplayContract, "replay of op ", op_label(tape, i),
                     " output ", j, " diverged from the forward: the forward had it on ", device_of(m).str(),
                     ", the replay made it on ", t.device().str(),
@@ -214,7 +238,7 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
 
     outs.clear();
     flatten_outputs(stack, outs);
-    store_outputs(tape, i, outs, options.check_metadata, options.check_device, env);
+    store_outputs(source, i, outs, options.check_metadata, options.check_device, env);
     if (options.observer != nullptr) options.observer->after_op(i, observed_args, outs);
     if (last_use != nullptr) release_dead(rec, k, *last_use, *is_target, env);
     if (stats != nullptr) {

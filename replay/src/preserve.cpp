@@ -170,14 +170,18 @@ void WriteWatcher::end() noexcept {
 std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunction& fn) {
   WriteWatcher* w = t_watcher;
   if (w == nullptr || w->paused_.load(std::memory_order_relaxed)) return nullptr;
+  // Named regions that are not operator calls are transparent: autograd wraps every node of the backward in one
+  // ("autograd::engine::evaluate_function: ..."), and a write from a tensor hook runs inside it.
+  if (!fn.operator_name().has_value()) return nullptr;
   // Only calls made from user code (depth 0) write "for real": the children of an in-place op are its kernel.
   if (w->depth_ == 0 && !w->busy_) w->see(fn);
   ++w->depth_;
   return nullptr;
 }
 
-void WriteWatcher::on_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+void WriteWatcher::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   WriteWatcher* w = t_watcher;
+  if (!fn.operator_name().has_value()) return;  // not counted on entry
   if (w != nullptr && w->depth_ > 0) --w->depth_;
 }
 

@@ -107,9 +107,9 @@ class Pruner {
     const capture::StorageInfo& s = tape_.storage(info.storage);
     if (s.external) return;  // classify_read guarantees the final state: the live storage holds it
     if (state == s.final_state() && path_live(v)) return;
-    if (bytes_read && state > 0 && info.meta.nbytes > 0) {
-      const OpIndex last = s.writers[static_cast<size_t>(state) - 1];
-      if (tape_.op(last).has(capture::kUninitialized)) {
+    if (bytes_read && info.meta.nbytes > 0) {
+      const OpIndex last = tape_.bytes_writer(v, state);
+      if (last >= 0 && tape_.op(last).has(capture::kUninitialized)) {
         fail(reader, v,
              "value v" + std::to_string(v) + " is read" +
                  (reader >= 0 ? " by op #" + std::to_string(reader) + " " + op_name(tape_, reader) : std::string()) +

@@ -25,13 +25,20 @@ std::string hex_signature(uint64_t s) {
 
 }  // namespace
 
-std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes) {
-  return "tapesac: memory_limit " + common::format_bytes(limit_bytes) + " (" + std::to_string(limit_bytes) +
+std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes) {
+  const int64_t user_limit = limit_bytes + margin_bytes;
+  const int64_t needed = smallest_feasible_bytes + margin_bytes;
+  std::string held;
+  if (margin_bytes > 0) {
+    held = "; the planner holds back " + std::to_string(margin_bytes) +
+           " bytes of the limit for the error its peak model made on earlier steps";
+  }
+  return "tapesac: memory_limit " + common::format_bytes(user_limit) + " (" + std::to_string(user_limit) +
          " bytes) is below the smallest feasible step peak " + common::format_bytes(smallest_feasible_bytes) + " (" +
          std::to_string(smallest_feasible_bytes) +
          " bytes: parameters, gradients and activations outside the blocks as measured in the first step, plus the "
-         "least every block must keep, plus one block's replay). Raise memory_limit to at least " +
-         std::to_string(smallest_feasible_bytes) + " bytes, or lower the batch size or sequence length.";
+         "least every block must keep, plus one block's replay" + held + "). Raise memory_limit to at least " +
+         std::to_string(needed) + " bytes, or lower the batch size or sequence length.";
 }
 
 AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
@@ -41,7 +48,7 @@ AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
 
 AutoPlanner::~AutoPlanner() { session_.set_tape_observer(nullptr); }
 
-PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak) {
+PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes) {
   TAPESAC_CHECK(!calls_.empty(), kGeneric,
                 "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
   const common::Stopwatch clock;
@@ -61,7 +68,7 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak) {
   try {
     plan = plan_step(prep.input, use_seq, model, limit);
   } catch (const planner::InfeasibleLimitError& e) {
-    throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes()));
+    throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes(), margin_bytes));
   }
   PlanInfo out = install(plan, prep.input);
   last_model_ = model;

@@ -69,7 +69,7 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   ReservedPlan r;
   if (limit_ > 0) {
     r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0,
-                                [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on); });
+                                [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on, d.margin_bytes); });
   } else {
     r.plan = planner_->plan(0, d.calibrate_on);
   }

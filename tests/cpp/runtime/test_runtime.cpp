@@ -150,6 +150,16 @@ TEST(Runtime, InfeasibleLimitMessageSaysWhatHowMuchAndHowToFix) {
             "bytes, or lower the batch size or sequence length.");
 }
 
+TEST(Runtime, InfeasibleLimitMessageNamesTheUsersLimitNotLimitMinusMargin) {
+  // Planned under 4,000,000 - 200,000 after a replan margin (issue 18 item 5): the user's limit is 4,000,000, and
+  // the figure named must fit once the margin is taken off it again.
+  const std::string m = infeasible_limit_message(3'800'000, 5'242'880, 200'000);
+  EXPECT_NE(m.find("memory_limit 3.81 MiB (4000000 bytes)"), std::string::npos) << m;
+  EXPECT_NE(m.find("holds back 200000 bytes"), std::string::npos) << m;
+  EXPECT_NE(m.find("at least 5442880 bytes"), std::string::npos) << m;
+  EXPECT_EQ(m.find("3800000"), std::string::npos) << m;
+}
+
 TEST(Runtime, ANewLimitDropsThePlanAndPolicyAutoNeedsOne) {
   auto s = make_session(PolicyKind::kPlan);
   try {

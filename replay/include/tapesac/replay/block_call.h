@@ -113,6 +113,8 @@ class BlockCall : public capture::RecorderListener,
     // still serves the forward's bytes, and the unpack says so in the records.
     c10::weak_intrusive_ptr<c10::TensorImpl> origin{c10::intrusive_ptr<c10::TensorImpl>()};
     bool replaced_reported = false;
+    // Dropped: the storage the saved tensor had (see Note [a dropped tensor still alive], block_call_replay.cpp).
+    const void* storage = nullptr;
   };
 
   // close_forward(), in order.
@@ -139,6 +141,7 @@ class BlockCall : public capture::RecorderListener,
   // unpack(), in order.
   void begin_backward();
   at::Tensor serve_kept(int32_t slot);
+  at::Tensor still_alive(const Slot& s) const;
   void replay_for(ValueId wanted);
   std::unordered_map<ValueId, at::Tensor> run_replay(SegmentInputs& in, const std::vector<at::Tensor>& live,
                                                      ValueId wanted);

@@ -13,11 +13,19 @@
 //     storage, and replays that swap are serialized;
 //   * kSnapshots: the whole storage, copied at its first write after a block read it; the replay reads a view of
 //     that snapshot instead of the tensor (no further copy).
-// The watcher sees writes while forwards run and between the forward and the backward (where a step updates a
-// bank or a queue); it pauses when the backward starts (seeing writes costs a boxed copy of every op's arguments) and
-// resumes when a block's forward starts again. The version counter guards completeness:
+// The watcher sees writes for the whole step on the stepping thread: while forwards run, between the forward and the
+// backward (where a step updates a bank or a queue), inside the backward (a tensor hook) and between two backwards
+// of one step (see Note [watching the backward]). The version counter guards completeness:
 // when a tensor's version moved by more than the writes the watcher saw (a write on another thread, or one that
 // bypassed the dispatcher), restore() refuses and the replay is rejected.
+//
+// Note [watching the backward]: the watcher used to pause when the backward started (seeing writes costs a boxed copy
+// of every op's arguments). But a write through `.data` (or another detached alias) does not move the version
+// counter, so one made in a backward hook or between two backwards of a step (loss1.backward(retain_graph=True);
+// w.data.mul_(0.5); loss2.backward()) reached the next replay silently: wrong gradients with no error (issue 18
+// item 2). Seeing it costs the boxed arguments of the backward's ops on the stepping thread; the CUDA backward runs
+// on autograd's device threads, which the thread-local callback does not see (there, such a write is still unseen).
+// pause() and resume() remain for callers that know no write can happen.
 //
 // Threads: install(), resume(), the writes it sees and end() happen on the stepping thread; watch() and restore() are
 // called under the owning BlockCall's lock, from the forward thread and the backward's threads — the watcher's own

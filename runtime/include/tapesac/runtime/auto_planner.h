@@ -51,9 +51,10 @@ struct AutoPlannerOptions {
   double least_peak_slack = 0.02;
 };
 
-/// The message of an infeasible limit: the limit, the smallest feasible step peak and what it is made of, and how
-/// to fix it ("Raise memory_limit to at least N bytes, ...").
-std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes);
+/// The message of an infeasible limit: the user's limit, the smallest feasible step peak and what it is made of, and
+/// how to fix it ("Raise memory_limit to at least N bytes, ..."). `margin_bytes`: what the planner held back from the
+/// user's limit for its prediction error (planned under limit - margin); the figure named includes it.
+std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes = 0);
 
 /// Plans policy "auto" for one Session. Registers itself as the session's tape observer for its lifetime; the
 /// session must outlive it.
@@ -70,8 +71,9 @@ class AutoPlanner {
   /// Plans the observed calls under `limit` bytes (with fixed masks, 0: the least peak), calibrated on
   /// `measured_peak` bytes, and installs the plan in the session. Returns the planner's part of PlanInfo (reserve,
   /// margin, reason and step are the caller's). Throws tapesac::Error: kGeneric before any observed call,
-  /// kMemoryLimit when no plan fits the limit.
-  PlanInfo plan(int64_t limit, int64_t measured_peak);
+  /// kMemoryLimit when no plan fits the limit. `margin_bytes`: the replan margin already taken off the user's limit
+  /// (`limit` + margin is the user's), for the error message.
+  PlanInfo plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes = 0);
 
   /// The step-level frontier of the last step's problems with the op costs measured so far: the best plan at
   /// `points` (>= 2) limits spread between the smallest feasible peak and the keep-everything peak, under the peak

@@ -218,7 +218,6 @@ class TapeSAC:
             self._history.append(self._last)
             self._conflicts.after_step(self._last)
             self._warn_unmatched()
-            self._warn_over_limit()
             self._log.write_step(self._last, self._get_timeline)
             self._log.write_records(self._steps, self._session)
             if abandoned:
@@ -231,6 +230,8 @@ class TapeSAC:
         self._raise_policy_error()
         # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
         self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)
+        # After planning: a limit the planner finds infeasible raises MemoryLimitError instead (one message, not two).
+        self._warn_over_limit()
 
     @property
     def preservation_trials(self) -> list[Trial]:

@@ -23,7 +23,7 @@ STATUSES = {"ok", "invalid", "error", "unavailable", "skipped"}
 REQUIRED = ("nockpt", "tapesac_none", "tapesac_full", "tapesac_ops", "tapesac_eager")
 ALWAYS = ("nockpt", "ckpt", "torch_sac", "compile_b0.5", "tapesac_none", "tapesac_full", "tapesac_ops",
           "tapesac_eager", "tapesac_cuda_graph")
-# The variants perf/gpu_check.sh benchmarks on the GPU (its --variants list).
+# The side-by-side variants perf/gpu_check.sh benchmarks on the GPU (perf/gpu_figures.py suite, with auto at half).
 GPU_CHECK_VARIANTS = ("nockpt", "ckpt", "torch_sac", "tapesac_eager", "tapesac_cuda_graph")
 
 
@@ -165,17 +165,29 @@ def test_smoke_backend_variants_on_cpu(smoke):
         assert graph["status"] == "skipped" and "needs a CUDA workload" in graph["reason"], (w["name"], graph)
 
 
+def _gpu_figures_suite_variants() -> list[str]:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "perf" / "gpu_figures.py"
+    spec = importlib.util.spec_from_file_location("gpu_figures", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.SUITE_VARIANTS.split(",")
+
+
 def test_gpu_check_variant_list_runs_exactly_those(tmp_path):
-    """The --variants list of perf/gpu_check.sh parses and selects exactly its five variants (on CPU the graph
-    variant is skipped, not crashed); the script really passes that list."""
+    """perf/gpu_check.sh runs perf/gpu_figures.py's suite; its variant list is the five side-by-side variants plus
+    auto at half, parses, and selects exactly those (on CPU the graph variant is skipped, not crashed)."""
     script = (Path(__file__).resolve().parents[2] / "perf" / "gpu_check.sh").read_text()
-    assert f"--variants {','.join(GPU_CHECK_VARIANTS)} " in script, "perf/gpu_check.sh benchmarks other variants"
+    assert "perf/gpu_figures.py" in script and '"${FIG[0]}" suite' in script, "gpu_check.sh no longer runs the suite"
+    variants = _gpu_figures_suite_variants()
+    assert set(GPU_CHECK_VARIANTS) <= set(variants), f"the GPU suite lost side-by-side variants: {variants}"
     path = tmp_path / "gpu_check_variants.json"
     rc = _bench().main(["--smoke", "--models", "qwen3", "--rounds", "1", "--warmup", "0", "--quiet",
-                        "--variants", ",".join(GPU_CHECK_VARIANTS), "--json", str(path)])
+                        "--variants", ",".join(variants), "--auto-fractions", "0.5", "--json", str(path)])
     assert rc == 0
     w = json.loads(path.read_text())["workloads"][0]
-    assert sorted(w["variants"]) == sorted(GPU_CHECK_VARIANTS), sorted(w["variants"])
+    assert sorted(w["variants"]) == sorted(variants), sorted(w["variants"])
     assert w["unknown_variants"] == []
     for name in ("nockpt", "ckpt", "torch_sac", "tapesac_eager"):
         assert w["variants"][name]["status"] == "ok", (name, w["variants"][name])

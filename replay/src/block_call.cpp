@@ -264,6 +264,10 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
     s.dropped = true;
     const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
     s.storage = key;
+    if (key != nullptr) {
+      s.storage_data = s.tensor.storage().data();
+      s.storage_nbytes = s.tensor.storage().nbytes();
+    }
     if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
       st.dropped_bytes += storage_bytes(s.tensor);
     }

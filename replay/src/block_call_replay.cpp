@@ -45,8 +45,8 @@ at::Tensor BlockCall::unpack(int32_t slot) {
 void BlockCall::begin_backward() {
   // The first unpack of the step marks the start of the backward on the memory timeline.
   if (ctx_.memory && ctx_.memory->counter().phase() == allocator::Phase::kForward) {
-    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);  // the watcher keeps watching: see
-                                                                     // Note [watching the backward] (preserve.h)
+    ctx_.memory->counter().set_phase(allocator::Phase::kBackward);
+    // The watcher keeps watching: see Note [watching the backward] (preserve.h).
   }
 }
 
@@ -57,11 +57,15 @@ void BlockCall::begin_backward() {
 // between two backwards) must reach the gradient, where a replay would rebuild the bytes from before the write
 // (issue 18, random program 4322). Served only while it still has the storage and the view the forward saved (a
 // `.data = ...` replacement replays the forward's bytes, as before); an in-place write the version counter saw was
-// rejected above. Replaying it would only have cost time: it is alive, so dropping it freed nothing.
+// rejected above. Replaying it would only have cost time: it is alive, so dropping it freed nothing. The storage
+// must also still hold the same allocation: FSDP2 frees an unsharded parameter's bytes after the forward
+// (`untyped_storage().resize_(0)`) and refills them later, which moves no version and keeps the StorageImpl — such
+// a tensor is replayed (test_distributed.py::test_fsdp2 read freed bytes, NaN gradients, when it was served).
 at::Tensor BlockCall::still_alive(const Slot& s) const {
   if (s.storage == nullptr || s.value < 0) return {};
   c10::intrusive_ptr<c10::TensorImpl> impl = s.origin.lock();
   if (!impl || !impl->has_storage() || impl->storage().unsafeGetStorageImpl() != s.storage) return {};
+  if (impl->storage().data() != s.storage_data || impl->storage().nbytes() != s.storage_nbytes) return {};
   at::Tensor t(std::move(impl));
   const capture::TensorMeta& m = recorder_.tape().value(s.value).meta;
   if (!t.is_cpu() && !t.is_cuda()) return {};

@@ -106,6 +106,7 @@ void WriteWatcher::put(const Write& w, at::Tensor& region, const at::Tensor& val
 struct WriteWatcher::Entry {
   PreserveMode mode = PreserveMode::kRegions;
   int64_t nbytes = 0;
+  const void* data = nullptr;  // the storage's allocation when first watched: Note [a storage reallocated unseen]
   // Entries are keyed by StorageImpl address: the weak hold keeps that address from being reused by another storage
   // while the entry exists (the bytes are still freed with the last tensor).
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
@@ -218,6 +219,23 @@ void WriteWatcher::see(const at::RecordFunction& fn) {
 
 void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg,
                         const at::Tensor& target) {
+  // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
+  // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
+  // operator call, so the watcher sees only the refill. The bytes before the refill are not the forward's (they are
+  // fresh memory): saving them would hand the replay garbage (test_distributed.py::test_fsdp2[full], NaN
+  // gradients). A write into a storage whose allocation changed since it was watched is therefore not saved and
+  // not counted: the replay reads the bytes as they are after it, as plain autograd does. Writes saved before the
+  // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
+  if (static_cast<int64_t>(target.storage().nbytes()) != e.nbytes || target.storage().data() != e.data) {
+    e.nbytes = static_cast<int64_t>(target.storage().nbytes());
+    e.data = target.storage().data();
+    if (e.count > 0 && !e.broken) {
+      e.broken = true;
+      e.broken_why = "the storage was reallocated (resized) after " + std::to_string(e.count) +
+                     " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())";
+    }
+    return;
+  }
   const int64_t t0 = now_ns();
   busy_ = true;
   try {
@@ -282,6 +300,7 @@ int64_t WriteWatcher::watch(const at::Tensor& t) {
     e->mode = o != overrides_.end() ? o->second : mode_;
     if (e->mode == PreserveMode::kOff) e->mode = mode_;
     e->nbytes = static_cast<int64_t>(t.storage().nbytes());
+    e->data = t.storage().data();
     e->storage.emplace(t.storage().getWeakStorageImpl());
     e->stats.key = capture::storage_key(t);
     e->stats.nbytes = e->nbytes;

@@ -113,8 +113,11 @@ class BlockCall : public capture::RecorderListener,
     // still serves the forward's bytes, and the unpack says so in the records.
     c10::weak_intrusive_ptr<c10::TensorImpl> origin{c10::intrusive_ptr<c10::TensorImpl>()};
     bool replaced_reported = false;
-    // Dropped: the storage the saved tensor had (see Note [a dropped tensor still alive], block_call_replay.cpp).
+    // Dropped: the storage the saved tensor had, its data pointer and size then (see Note [a dropped tensor still
+    // alive], block_call_replay.cpp).
     const void* storage = nullptr;
+    const void* storage_data = nullptr;
+    size_t storage_nbytes = 0;
   };
 
   // close_forward(), in order.

@@ -37,7 +37,7 @@ std::vector<int64_t> window_peaks(const std::vector<TimedBytes>& timeline, const
 
 StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_begin_ns,
                          const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
-                         int64_t offset) {
+                         int64_t offset, int64_t end_ns) {
   StepProfile p;
   const size_t n = replay_start_ns.size();
   if (n == 0 || timeline.empty() || forward_begin_ns.size() != n || forward_end_ns.size() != n) return p;
@@ -52,7 +52,7 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return replay_start_ns[a] < replay_start_ns[b]; });
   const int64_t first_replay = replay_start_ns[order[0]];
   if (first_replay < forward_end_ns[n - 1]) return p;  // a replay during the forward: no clean windows
-  const int64_t end = std::numeric_limits<int64_t>::max();
+  const int64_t end = end_ns;
 
   std::vector<int64_t> fwd_begin = forward_begin_ns;
   fwd_begin.push_back(forward_end_ns[n - 1]);  // the tail window
@@ -78,35 +78,72 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
   return p;
 }
 
+namespace {
+
+// What call k holds for its replay after the forward when it keeps `kept` bytes.
+int64_t held(const std::vector<int64_t>& held_for_replay, const std::vector<int64_t>& keep_all, size_t k,
+             int64_t kept) {
+  if (k >= held_for_replay.size() || k >= keep_all.size()) return 0;
+  return kept < keep_all[k] ? held_for_replay[k] : 0;
+}
+
+}  // namespace
+
 int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::vector<int64_t>& ws) const {
   TAPESAC_CHECK(valid && kept.size() == backward_c.size() && ws.size() == backward_c.size(), kConfig,
                 "SequencePeakModel::predict: expected ", backward_c.size(), " calls (a calibrated model), got ",
                 kept.size(), " kept and ", ws.size(), " working sets");
+  int64_t all = 0;  // every call's kept bytes and what it holds for its replay
+  for (size_t k = 0; k < kept.size(); ++k) all += kept[k] + held(held_for_replay, keep_all, k, kept[k]);
   int64_t peak = pre;
   int64_t prefix = 0;  // kept bytes of the calls before k
+  int64_t holding = 0;  // what the calls up to k hold for their replays
   for (size_t k = 0; k < kept.size(); ++k) {
     peak = std::max(peak, forward_c[k] + prefix);
     prefix += kept[k];
-    peak = std::max(peak, backward_c[k] + prefix + ws[k]);
+    holding += held(held_for_replay, keep_all, k, kept[k]);
+    peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
+    if (k < last_backward_c.size()) peak = std::max(peak, last_backward_c[k] + prefix + holding + ws[k]);
   }
-  return std::max(peak, tail_c + prefix);
+  return std::max(peak, tail_c + prefix + holding);
 }
 
 SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const std::vector<int64_t>& kept_ref,
-                                               const std::vector<int64_t>& ws_ref) {
+                                               const std::vector<int64_t>& ws_ref, const StepExtras& extras) {
   SequencePeakModel m;
   const size_t n = profile.backward_peaks.size();
   if (!profile.valid || kept_ref.size() != n || ws_ref.size() != n || profile.forward_peaks.size() != n) return m;
+  auto extra = [](const std::vector<int64_t>& v, size_t k) { return k < v.size() ? v[k] : 0; };
   m.pre = profile.pre_peak;
+  m.retained = extras.retained;
+  if (extras.held_for_replay.size() == n && extras.keep_all.size() == n) {
+    m.held_for_replay = extras.held_for_replay;
+    m.keep_all = extras.keep_all;
+  }
   m.forward_c.resize(n);
   m.backward_c.resize(n);
-  int64_t prefix = 0;
+  int64_t all = 0;
+  for (size_t k = 0; k < n; ++k) {
+    all += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]) + extra(extras.alive_retained, k);
+  }
+  int64_t prefix = 0;      // kept (and alive anyway after the forward) bytes of the calls before k
+  int64_t holding = 0;     // held for the replays, calls up to k
+  int64_t bwd_alive = 0;   // alive anyway in the backward, calls up to k
+  int64_t bwd_prefix = 0;  // kept bytes of the calls up to k
   for (size_t k = 0; k < n; ++k) {
     m.forward_c[k] = profile.forward_peaks[k] - prefix;
-    prefix += kept_ref[k];
-    m.backward_c[k] = profile.backward_peaks[k] - prefix - ws_ref[k];
+    prefix += kept_ref[k] + extra(extras.alive_forward, k);
+    holding += held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
+    bwd_prefix += kept_ref[k];
+    bwd_alive += extra(extras.alive_backward, k);
+    m.backward_c[k] =
+        profile.backward_peaks[k] - (extras.retained ? all : bwd_prefix + holding) - bwd_alive - ws_ref[k];
+    if (extras.retained && extras.last_backward.valid && extras.last_backward.backward_peaks.size() == n) {
+      m.last_backward_c.push_back(extras.last_backward.backward_peaks[k] - bwd_prefix - holding - bwd_alive -
+                                  ws_ref[k]);
+    }
   }
-  m.tail_c = profile.tail_peak - prefix;
+  m.tail_c = profile.tail_peak - prefix - holding;
   m.valid = true;
   return m;
 }

@@ -267,6 +267,7 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
     if (key != nullptr) {
       s.storage_data = s.tensor.storage().data();
       s.storage_nbytes = s.tensor.storage().nbytes();
+      s.storage_weak = s.tensor.storage().getWeakStorageImpl();
     }
     if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
       st.dropped_bytes += storage_bytes(s.tensor);
@@ -316,6 +317,89 @@ void BlockCall::close_step() noexcept {
   live_.clear();
   approx_.reset();
   recorder_.clear();
+}
+
+void BlockCall::refresh_alive_dropped() {
+  std::lock_guard<std::mutex> lock(mu_);
+  refresh_alive_dropped_locked();
+}
+
+void BlockCall::refresh_alive_dropped_locked() {
+  if (!forward_closed_ || step_closed_) return;
+  std::vector<int32_t> alive;
+  auto check = [&](int32_t k) {
+    const Slot& s = slots_[static_cast<size_t>(k)];
+    if (s.dropped && !s.released && storage_alive(s)) alive.push_back(k);
+  };
+  if (!alive_dropped_slots_) {
+    for (size_t k = 0; k < slots_.size(); ++k) check(static_cast<int32_t>(k));
+  } else {
+    for (int32_t k : *alive_dropped_slots_) check(k);  // a value once dead stays dead
+  }
+  alive_dropped_slots_ = std::move(alive);
+  // The inputs this call holds for its replay (live_) that nothing else holds: a plan that replays nothing would
+  // not hold them.
+  struct Ours {
+    int64_t tensors = 0;       // our tensors on the storage
+    int64_t storage_uses = 0;  // holders of the storage
+    int64_t bytes = 0;
+    bool only_us = true;       // no one else holds our tensors
+  };
+  // A storage a saved tensor of the call also has is held by a plan that keeps that tensor: not counted.
+  std::unordered_set<const void*> saved;
+  for (const Slot& s : slots_) {
+    if (s.dropped) {
+      saved.insert(s.storage);
+    } else if (s.tensor.defined() && s.tensor.has_storage()) {
+      saved.insert(storage_key(s.tensor));
+    }
+  }
+  std::unordered_map<const void*, Ours> ours;
+  for (const at::Tensor& t : live_) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const void* key = storage_key(t);
+    if (key == nullptr || ctx_.param_storages->count(key) || saved.count(key)) continue;
+    Ours& o = ours[key];
+    ++o.tensors;
+    o.storage_uses = static_cast<int64_t>(t.storage().use_count());
+    o.bytes = storage_bytes(t);
+    o.only_us = o.only_us && t.use_count() == 1;
+  }
+  held_for_replay_bytes_ = 0;
+  for (const auto& [key, o] : ours) {
+    if (o.only_us && o.storage_uses == o.tensors) held_for_replay_bytes_ += o.bytes;
+  }
+}
+
+void BlockCall::note_second_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  note_second_backward_locked();
+}
+
+void BlockCall::note_second_backward_locked() {
+  for (const auto& [value, weak] : rebuilt_first_round_) {
+    if (weak.lock() && !cache_.count(value) && !held_.count(value)) rebuilt_alive_at_second_.push_back(value);
+  }
+  rebuilt_first_round_.clear();
+}
+
+DroppedLiveness BlockCall::liveness() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  DroppedLiveness out;
+  out.name = name_;
+  std::unordered_set<ValueId> seen;
+  if (alive_dropped_slots_) {
+    for (int32_t k : *alive_dropped_slots_) {
+      const ValueId v = slots_[static_cast<size_t>(k)].value;
+      if (seen.insert(v).second) out.alive_after_forward.push_back(v);
+    }
+  }
+  out.held_for_replay_bytes = held_for_replay_bytes_;
+  out.rebuilt_alive_at_second = rebuilt_alive_at_second_;
+  out.second_backward_ns = second_backward_ns_;
+  out.alive_at_unpack.assign(alive_at_unpack_.begin(), alive_at_unpack_.end());
+  std::sort(out.alive_at_unpack.begin(), out.alive_at_unpack.end());
+  return out;
 }
 
 BlockStats BlockCall::stats() const {

@@ -28,6 +28,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   if (!s.dropped) return serve_kept(slot);
   const ValueId v = s.value;
   note_unpack(v);
+  if (round_ == 0 && storage_alive(s)) alive_at_unpack_.insert(v);  // Note [dropped values alive elsewhere]
   if (at::Tensor alive = still_alive(s); alive.defined()) {  // Note [a dropped tensor still alive]
     slots_[static_cast<size_t>(slot)].last_round = round_;
     --remaining_[v];
@@ -46,6 +47,9 @@ void BlockCall::begin_backward() {
   // The first unpack of the step marks the start of the backward on the memory timeline.
   if (ctx_.memory && ctx_.memory->counter().phase() == allocator::Phase::kForward) {
     ctx_.memory->counter().set_phase(allocator::Phase::kBackward);
+    if (ctx_.backward_starts != nullptr && *ctx_.backward_starts) {
+      (*ctx_.backward_starts)(*this);  // Note [dropped values alive elsewhere] (block_call.h)
+    }
     // The watcher keeps watching: see Note [watching the backward] (preserve.h).
   }
 }
@@ -77,6 +81,11 @@ at::Tensor BlockCall::still_alive(const Slot& s) const {
   return capture::detached_alias(t);
 }
 
+bool BlockCall::storage_alive(const Slot& s) const {
+  const c10::intrusive_ptr<c10::StorageImpl> impl = s.storage_weak.lock();
+  return impl && impl->data() == s.storage_data && impl->nbytes() == s.storage_nbytes;
+}
+
 at::Tensor BlockCall::serve_kept(int32_t slot) {
   Slot& s = slots_[static_cast<size_t>(slot)];
   TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
@@ -92,6 +101,12 @@ at::Tensor BlockCall::serve_kept(int32_t slot) {
 
 void BlockCall::replay_for(ValueId wanted) {
   if (remaining_[wanted] <= 0) {  // a new backward over the same graph (retain_graph=True)
+    if (round_ == 0) {  // Note [dropped values alive elsewhere] (block_call.h)
+      if (ctx_.memory) second_backward_ns_ = ctx_.memory->elapsed_ns();
+      if (ctx_.second_backward_starts != nullptr && *ctx_.second_backward_starts) {
+        (*ctx_.second_backward_starts)(*this);
+      }
+    }
     ++round_;
     remaining_ = handles_;
     restart_schedule();
@@ -186,6 +201,9 @@ void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const
     const bool approximated = approx_ && approx_->approximates(value);
     record(value, approximated ? "approximated" : recovered.empty() ? "match" : "recovered", nbytes, replay_ns,
            recovered);
+    if (round_ == 0 && tensor.has_storage() && ctx_.backward_starts != nullptr) {
+      rebuilt_first_round_.emplace_back(value, tensor.storage().getWeakStorageImpl());
+    }
     cache_.emplace(value, std::move(tensor));
   }
   ++replays_;

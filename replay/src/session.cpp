@@ -47,6 +47,34 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
     watcher_->install();
   }
   in_step_ = true;
+  backward_started_ = false;
+  second_backward_started_ = false;
+  if (!second_backward_starts_) {
+    second_backward_starts_ = [this](BlockCall& caller) {
+      if (second_backward_started_.exchange(true)) return;
+      for (const auto& b : blocks_) {
+        if (b.get() == &caller) {
+          b->note_second_backward_locked();
+        } else {
+          b->note_second_backward();
+        }
+      }
+    };
+  }
+  if (!backward_starts_) {
+    // Once per step, from the unpack that starts the backward (that call's lock held; the others are taken one at
+    // a time: no other call's lock is held while waiting for one).
+    backward_starts_ = [this](BlockCall& caller) {
+      if (backward_started_.exchange(true)) return;
+      for (const auto& b : blocks_) {
+        if (b.get() == &caller) {
+          b->refresh_alive_dropped_locked();
+        } else {
+          b->refresh_alive_dropped();
+        }
+      }
+    };
+  }
 }
 
 void Session::set_preservation(std::unordered_map<const void*, PreserveMode> modes,
@@ -96,6 +124,10 @@ BlockContext Session::block_context(const std::string& name) {
   c.approx = approx_.get();
   c.graphs = graphs_.get();
   c.last_peak = last_peak_;
+  if (observer_) {
+    c.backward_starts = &backward_starts_;
+    c.second_backward_starts = &second_backward_starts_;
+  }
   auto hint = expected_ops_.find(name);
   c.expected_ops = hint == expected_ops_.end() ? 64 : hint->second + 8;
   return c;
@@ -142,6 +174,7 @@ void Session::end_step() noexcept {
 
 void Session::collect_block_stats() noexcept {
   last_stats_.clear();
+  last_liveness_.clear();
   last_replayed_.clear();
   last_records_.clear();
   last_preserved_.clear();
@@ -149,6 +182,7 @@ void Session::collect_block_stats() noexcept {
     for (const auto& b : blocks_) {
       b->close_step();
       last_stats_.push_back(b->stats());
+      if (observer_) last_liveness_.push_back(b->liveness());
       remember_order(*b);
       expected_ops_[b->name()] = static_cast<size_t>(last_stats_.back().ops_recorded);
       for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;

@@ -56,8 +56,10 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, prep.sum_kept, prep.max_ws);
   // The sequence model, calibrated on the last step whose every block call replayed (its memory profile is
   // complete); kept while the calls stay the same.
+  planner::StepExtras extras = prep.extras;
+  const planner::StepProfile profile = step_profile(&extras);
   const planner::SequencePeakModel seq =
-      planner::SequencePeakModel::calibrate(step_profile(), prep.kept_ref, prep.ws_ref);
+      planner::SequencePeakModel::calibrate(profile, prep.kept_ref, prep.ws_ref, extras);
   if (seq.valid) {
     seq_ = seq;
   } else if (seq_.backward_c.size() != calls_.size()) {
@@ -183,31 +185,61 @@ planner::UnpackOrder AutoPlanner::unpack_order(const Call& c) const {
   return u;
 }
 
-int64_t AutoPlanner::ran_working_set(size_t j, const planner::BlockProblem& p, const planner::UnpackOrder& order) const {
+int64_t AutoPlanner::ran_working_set(size_t j, const planner::BlockProblem& p, const planner::UnpackOrder& order,
+                                     const planner::KeepMask& replayed) const {
   const Call& c = calls_[j];
   const auto& stats = session_.last_stats();
   const replay::BlockStats* st = j < stats.size() && stats[j].name == c.name ? &stats[j] : nullptr;
   if (st != nullptr && st->planned_ws_bytes > 0) return st->planned_ws_bytes;  // the plan's schedule ran
-  if (st == nullptr || st->segments <= 1 || order.values.empty()) return planner::replay_working_set_bytes(p, c.kept);
+  if (st == nullptr || st->segments <= 1 || order.values.empty()) return planner::replay_working_set_bytes(p, replayed);
   // The call's default schedule under a limit: the finest segments, holding what later ones read.
-  const std::vector<int32_t> replay_order = planner::replay_order(p, c.kept, order);
+  const std::vector<int32_t> replay_order = planner::replay_order(p, replayed, order);
   std::vector<int32_t> fine(replay_order.size());
   for (size_t k = 0; k < fine.size(); ++k) fine[k] = static_cast<int32_t>(k);
   const std::vector<int32_t> from_start(p.values.size(), 0);
-  return planner::evaluate_schedule(p, c.kept, order, replay_order, fine, from_start).working_set_bytes;
+  return planner::evaluate_schedule(p, replayed, order, replay_order, fine, from_start).working_set_bytes;
 }
+
+namespace {
+
+/// `kept` with the candidates among `values` set (tape value ids; others are ignored).
+planner::KeepMask with_values(const planner::BlockProblem& p, planner::KeepMask kept, const std::vector<int32_t>& values) {
+  if (values.empty()) return kept;
+  const std::unordered_set<int32_t> set(values.begin(), values.end());
+  for (size_t k = 0; k < p.candidates.size() && k < kept.size(); ++k) {
+    if (set.count(p.candidates[k])) kept[k] = 1;
+  }
+  return kept;
+}
+
+}  // namespace
 
 AutoPlanner::Prepared AutoPlanner::prepare() const {
   Prepared out;
   std::vector<planner::BlockProblem> problems;
   problems.reserve(calls_.size());
   std::vector<planner::KeepMask> masks;
+  // What the step held besides its kept bytes (Note [Sequence model in unusual steps], planner/peak_model.h).
+  const auto& liveness = session_.last_liveness();
+  const auto& stats = session_.last_stats();
   for (size_t j = 0; j < calls_.size(); ++j) {
     const Call& c = calls_[j];
     planner::BlockProblem p = problem_with_costs(c);
     out.orders.push_back(unpack_order(c));
-    out.kept_ref.push_back(planner::kept_bytes(p, c.kept));
-    out.ws_ref.push_back(ran_working_set(j, p, out.orders.back()));
+    const int64_t kept = planner::kept_bytes(p, c.kept);
+    out.kept_ref.push_back(kept);
+    const replay::DroppedLiveness* live = j < liveness.size() && liveness[j].name == c.name ? &liveness[j] : nullptr;
+    const planner::KeepMask served = live ? with_values(p, c.kept, live->alive_at_unpack) : c.kept;
+    out.extras.alive_forward.push_back(live ? planner::kept_bytes(p, with_values(p, c.kept, live->alive_after_forward)) - kept : 0);
+    out.extras.alive_backward.push_back(planner::kept_bytes(p, served) - kept);
+    out.extras.held_for_replay.push_back(live ? live->held_for_replay_bytes : 0);
+    out.extras.alive_retained.push_back(live ? planner::kept_bytes(p, with_values(p, c.kept, live->rebuilt_alive_at_second)) - kept : 0);
+    out.extras.keep_all.push_back(planner::kept_bytes(p, planner::KeepMask(p.candidates.size(), 1)));
+    if (j < stats.size() && stats[j].name == c.name && stats[j].unpacks > stats[j].saved_tensors) {
+      out.extras.retained = true;
+    }
+    // A value served live was not replayed: the working set that ran is the one of the mask it was kept in.
+    out.ws_ref.push_back(ran_working_set(j, p, out.orders.back(), served));
     out.sum_kept += out.kept_ref.back();
     out.max_ws = std::max(out.max_ws, out.ws_ref.back());
     masks.push_back(c.kept);
@@ -226,7 +258,7 @@ AutoPlanner::Prepared AutoPlanner::prepare() const {
 
 /// The memory profile of the session's last step for the observed calls (invalid when a call did not replay or two
 /// calls share a name).
-planner::StepProfile AutoPlanner::step_profile() const {
+planner::StepProfile AutoPlanner::step_profile(planner::StepExtras* extras) const {
   const replay::StepMemoryStats& m = session_.last_memory();
   std::unordered_map<std::string, int64_t> first_replay;
   std::unordered_map<std::string, std::pair<int64_t, int64_t>> forward;
@@ -253,7 +285,21 @@ planner::StepProfile AutoPlanner::step_profile() const {
   std::vector<planner::TimedBytes> timeline;
   timeline.reserve(m.timeline.size());
   for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes});
-  return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
+  if (extras == nullptr || !extras->retained) return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
+  // A retained graph (Note [Sequence model in unusual steps]): the first backward's windows end where the second
+  // begins; the last backward's start at each call's first replay in it.
+  const auto& liveness = session_.last_liveness();
+  std::vector<int64_t> second;
+  int64_t second_begins = INT64_MAX;
+  for (size_t j = 0; j < calls_.size(); ++j) {
+    const int64_t t = j < liveness.size() && liveness[j].name == calls_[j].name ? liveness[j].second_backward_ns : -1;
+    second.push_back(t);
+    if (t >= 0) second_begins = std::min(second_begins, t);
+  }
+  if (second_begins != INT64_MAX) {
+    extras->last_backward = planner::profile_step(timeline, fwd_begin, fwd_end, second, m.baseline);
+  }
+  return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline, second_begins);
 }
 
 void AutoPlanner::observe(const replay::BlockTapeView& v) {

@@ -51,6 +51,9 @@ void Runtime::after_step(int64_t measured_peak_bytes, int64_t step) {
 void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   if (!planner_ || session_.last_summary().block_calls == 0) return;
   session_.set_memory_limit(limit_);
+  // A step whose blocks' saved tensors no backward read (a forward-only step, grad enabled) says nothing about the
+  // backward's memory: no plan is made from it (auto keeps measuring) and the plan in use stays.
+  if (session_.last_summary().totals.unpacks == 0) return;
   const auto& blocks = session_.last_stats();
   // With fixed masks a call that drops nothing has no schedule to follow.
   const bool unplanned = std::any_of(blocks.begin(), blocks.end(), [&](const replay::BlockStats& b) {

@@ -886,18 +886,19 @@ def _run_auto(shape: str, limit: int, steps: int = 4) -> tuple[list[int], Any]:
     return peaks, sac
 
 
-# Issue 18 item 5, open: the peak model is calibrated on the measuring step and does not model tensors a retained
-# graph or a second autograd.grad keeps alive, nor a first step without backward, and over-predicts keep-everything
-# on these shapes (autocast_tied: 538,504 predicted vs 490,376 measured). Not strict: plans follow measured op times.
-_ITEM5_OPEN = pytest.mark.xfail(reason="issue 18 item 5 (open): the peak model misses retained graphs, a forward-only "
-                                "first step and over-predicts keep-everything here", strict=False)
+# Issue 18 item 5: the sequence peak model covers these shapes (planner/peak_model.h, Note [Sequence model in unusual
+# steps]; replay/block_call.h, Note [dropped values alive elsewhere]) and no plan is made from a step without a
+# backward (runtime/runtime.cpp).
+# Open: with a retained graph the model counts every call's kept bytes in the first backward's windows; on the double
+# backward it predicts keeping everything at 1,492,876 bytes against 1,443,724 measured (+3.4%, the safe side), so at
+# the no-checkpoint peak the plan drops two values (and stays under the limit). The model before counted only the
+# calls not yet backwarded and predicted 1,230,732 (-14.8%): keep-everything plans ran over limits between the two.
+_DOUBLE_BACKWARD_OPEN = pytest.mark.xfail(reason="keep-everything over-predicted by 3.4% on a double backward",
+                                          strict=False)
 
 
-def _auto_shapes(open_shapes: set[str]) -> list[Any]:
-    return [pytest.param(s, marks=_ITEM5_OPEN) if s in open_shapes else s for s in AUTO_SHAPES]
-
-
-@pytest.mark.parametrize("shape", _auto_shapes({"autocast_tied", "stores_activation"}))
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=_DOUBLE_BACKWARD_OPEN) if s == "double_backward" else s
+                                   for s in AUTO_SHAPES])
 def test_auto_limit_at_the_no_checkpoint_peak_keeps_everything(shape: str) -> None:
     """Issue 18 item 5: "a limit at or above the no-checkpoint peak keeps everything" must hold in every step shape
     (on main auto refuses some of these with MemoryLimitError although keeping everything fits)."""
@@ -913,7 +914,7 @@ def test_auto_limit_at_the_no_checkpoint_peak_keeps_everything(shape: str) -> No
 
 
 @pytest.mark.parametrize("frac", [0.3, 0.7])
-@pytest.mark.parametrize("shape", _auto_shapes({"retain_graph", "two_autograd_grad", "forward_only_first"}))
+@pytest.mark.parametrize("shape", AUTO_SHAPES)
 def test_auto_stays_under_the_limit_or_names_a_feasible_one(shape: str, frac: float) -> None:
     """Issue 18 item 5: every step under the user's limit (main: step 2 over by up to 15%), or a MemoryLimitError
     that names the user's limit (not limit - margin) and a smallest feasible limit that then really runs."""
@@ -969,7 +970,14 @@ def test_recurrent_block_is_exact(kind: str, policy: str) -> None:
     assert first.dropped_tensors > 0 and first.ops_replayed > 0, f"step 1 dropped or replayed nothing: {first}"
 
 
-@_ITEM5_OPEN
+# Open: the limit is full's peak measured with the input allocated before the step (_peak), while the steps below
+# allocate it inside the step (+768 bytes): "full" itself peaks at 40,904 bytes in these steps, above the limit, and
+# with the default schedule (one segment) no plan goes lower. Not strict: the figures are a few bytes apart.
+_GRU_LIMIT_OPEN = pytest.mark.xfail(reason="the limit is below what full peaks in this test's own steps (40,904 vs "
+                                    "40,136 bytes: the input is allocated inside the step)", strict=False)
+
+
+@_GRU_LIMIT_OPEN
 def test_auto_accepts_a_limit_that_full_meets() -> None:
     """A limit that policy "full" meets (measured) is one "auto" meets too. Fails today on this ~40 KB GRU stack:
     auto's measuring step peaks above it (40,904 vs 40,136 bytes), keep-everything is predicted at 41,096 (within the

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace tapesac::planner {
@@ -47,10 +48,35 @@ struct StepProfile {
 
 /// The profile of a timeline given each call's forward span and first replay start (forward order; a replay start
 /// < 0 means the call did not replay, which makes the profile invalid). `offset` is added to every figure (the
-/// step's baseline).
+/// step's baseline). The last backward window ends at `end_ns` (the step's end by default).
 StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_begin_ns,
                          const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
-                         int64_t offset);
+                         int64_t offset, int64_t end_ns = std::numeric_limits<int64_t>::max());
+
+/// What a measured step held besides the kept bytes of its plan, per block call in forward order (Note [Sequence
+/// model in unusual steps]); empty vectors mean zeros.
+struct StepExtras {
+  /// Bytes of the call's dropped values that stayed alive anyway after its forward (a module stored them, autocast's
+  /// cast cache, a later block): alive through the forward windows after the call and the tail.
+  std::vector<int64_t> alive_forward;
+  /// Bytes of the call's dropped values the backward found alive: alive through the backward windows up to the
+  /// call's own.
+  std::vector<int64_t> alive_backward;
+  /// Bytes of the inputs the call held only for its replay at the end of the forward (a block input the forward
+  /// did not save): held from then on through the backward windows up to the call's own, by a plan that replays.
+  std::vector<int64_t> held_for_replay;
+  /// The call's kept bytes when it keeps everything (a plan keeping less replays, and holds held_for_replay).
+  std::vector<int64_t> keep_all;
+  /// With `retained`: bytes of the call's values that a later backward's graph held (the first backward rebuilt
+  /// them and they were alive when the second began): alive in every backward window.
+  std::vector<int64_t> alive_retained;
+  /// With `retained`: the profile of the last backward over the graph alone (its windows start at each call's
+  /// first replay in it; invalid: not measured, every window then counts every call's kept bytes).
+  StepProfile last_backward;
+  /// The step backwarded a graph it retained (retain_graph=True then another backward, two autograd.grad calls, a
+  /// double backward): a saved tensor was unpacked more than once.
+  bool retained = false;
+};
 
 /// The sequence (max-plus) peak model. During call k's forward, the calls before it hold what they keep and k holds
 /// all it saves (it decides at the end of its forward): fwd_k = f_k + sum_{j<k} kept_j. After the last forward,
@@ -59,18 +85,45 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
 /// replay working set is alive: bwd_i = b_i + sum_{j<=i} kept_j + ws_i. The step peak is the largest of these and
 /// the pre-block peak. The constants come from one measured step (calibrate): they hold what the plan does not
 /// change — parameters, gradients so far, optimizer state, the activations outside the blocks, transients.
+///
+/// Note [Sequence model in unusual steps]. Two step shapes break the windows above, both measured on the step the
+/// model is calibrated on (StepExtras):
+///  * A graph retained across backwards: while an earlier backward runs, every call still holds what it keeps (the
+///    graph is kept for the next backward), so bwd_i = b_i + sum_j kept_j + ws_i over all calls (`retained`),
+///    calibrated on the windows up to the start of the second backward. The last backward's windows (from each
+///    call's first replay in it) are as in a plain step: last_i = l_i + sum_{j<=i} kept_j + ws_i. Without that
+///    measurement every window counts every call's kept bytes: the safe side. A first backward
+///    with create_graph=True builds a graph that holds what it unpacked, rebuilt values included: those are counted
+///    as kept on the measured step (`alive_retained`), or a plan keeping them would pay for them twice.
+///  * Dropped values alive anyway (Note [dropped values alive elsewhere], replay/block_call.h): dropping them freed
+///    nothing, so the measured windows hold them although the plan that ran did not keep them. Calibration counts
+///    them as kept where they were alive (forward windows after their call and the tail; backward windows up to
+///    their call's), so that a plan that keeps them is not charged twice. A plan that drops them is then predicted
+///    above what it measures (the safe side). The tail assumes what was alive at the end of the last block forward
+///    stays alive to the first replay (autocast's cache lives to the end of the autocast region); where it does not,
+///    the step measures below the prediction's tail or, for a plan that keeps them, above it — the replan policy's
+///    margin covers that error (runtime/replan_policy.h).
 struct SequencePeakModel {
   bool valid = false;
   int64_t pre = 0;
   std::vector<int64_t> forward_c;   // per call, forward order
   int64_t tail_c = 0;
   std::vector<int64_t> backward_c;  // per call, forward order
+  /// A graph retained across backwards: every call's kept bytes count in the backward windows before the last
+  /// backward over the graph; those of the last (last_backward_c, when measured) are as without.
+  bool retained = false;
+  std::vector<int64_t> last_backward_c;  // per call, forward order (empty: not measured)
+  /// Per call (empty: none): the bytes a plan that replays holds for the replay after the forward (the tail and
+  /// the backward windows up to the call's), and the kept bytes of keeping everything (which replays nothing).
+  std::vector<int64_t> held_for_replay;
+  std::vector<int64_t> keep_all;
 
   /// The predicted step peak for per-call kept bytes and replay working sets (forward order).
   int64_t predict(const std::vector<int64_t>& kept, const std::vector<int64_t>& ws) const;
-  /// The model that predicts `profile` exactly for the plan that ran (its per-call kept bytes and working sets).
+  /// The model that predicts `profile` exactly for the plan that ran (its per-call kept bytes and working sets,
+  /// and what else the step held: `extras`).
   static SequencePeakModel calibrate(const StepProfile& profile, const std::vector<int64_t>& kept_ref,
-                                     const std::vector<int64_t>& ws_ref);
+                                     const std::vector<int64_t>& ws_ref, const StepExtras& extras = {});
 };
 
 }  // namespace tapesac::planner

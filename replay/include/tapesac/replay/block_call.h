@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -36,6 +37,8 @@ using SaveOpCache = std::vector<int8_t>;
 /// Per tape signature: how backward used the dropped values (Note [Replay schedule]).
 using UnpackOrders = std::unordered_map<uint64_t, UnpackObservation>;
 
+class BlockCall;
+
 /// What a block call borrows from its Session for one step. Pointers are owned by the Session and outlive the step;
 /// null members mean "none".
 struct BlockContext {
@@ -57,6 +60,12 @@ struct BlockContext {
   int64_t last_peak = 0;
   /// Ops recorded by the previous call of this block (the recorder pre-sizes its tables from it).
   size_t expected_ops = 64;
+  /// Called by the call whose unpack starts the step's backward (with that call's lock held; null: none). The
+  /// Session refreshes every call's DroppedLiveness there (Note [dropped values alive elsewhere]).
+  const std::function<void(BlockCall&)>* backward_starts = nullptr;
+  /// Likewise for the replay that starts a second backward over the graph: the Session calls
+  /// note_second_backward() on every call.
+  const std::function<void(BlockCall&)>* second_backward_starts = nullptr;
 };
 
 /// Thread-safe for pack/unpack after close_forward(); recording itself happens on the thread that runs the forward.
@@ -85,6 +94,26 @@ class BlockCall : public capture::RecorderListener,
   const std::string& name() const { return name_; }
   uint64_t signature() const { return signature_; }
   BlockStats stats() const;
+  /// Note [dropped values alive elsewhere]. A dropped saved tensor can stay alive without this call: a module stores
+  /// it on itself, a later block reads it. Dropping it frees nothing while it is; the peak models, calibrated on a
+  /// step that dropped it, would count its bytes twice for a plan that keeps it (once in the measured constants,
+  /// once as kept). Alive means its storage still holds the allocation it had at the drop (a view the module stored
+  /// keeps the saved view's storage). Looked at when the step's backward starts (its first unpack, through
+  /// BlockContext::backward_starts): alive then, it was alive from the drop on (a freed storage stays freed); what
+  /// died before (autocast's cast cache, cleared at the end of the autocast region) is not counted. The backward
+  /// records which were alive at their first unpack. The converse is counted at the same point: the inputs the
+  /// call holds for its replay that nothing else holds (a block input the forward did not save, as when autocast
+  /// casts it first) are freed by a plan that replays nothing. And when a second backward runs over the graph
+  /// (retain_graph=True, create_graph=True), the values the first rebuilt that are still alive then (a graph the
+  /// first backward created holds them) are recorded: a plan that keeps them holds them no longer.
+  void refresh_alive_dropped();
+  /// refresh_alive_dropped() with the call's lock already held (from its own unpack).
+  void refresh_alive_dropped_locked();
+  /// A second backward over the step's graph begins: records which values the first rebuilt are still alive.
+  void note_second_backward();
+  void note_second_backward_locked();
+  /// The call's DroppedLiveness (values as of the last refresh_alive_dropped(), and alive at their first unpack so far).
+  DroppedLiveness liveness() const;
   /// The dropped values in the order this call's backward first unpacked them, followed by those it never unpacked
   /// (in the schedule's order), with when each was last unpacked; empty when no dropped value was unpacked.
   UnpackObservation observed_order() const;
@@ -118,6 +147,8 @@ class BlockCall : public capture::RecorderListener,
     const void* storage = nullptr;
     const void* storage_data = nullptr;
     size_t storage_nbytes = 0;
+    // Dropped: its storage (weak), alive while anything else holds it (Note [dropped values alive elsewhere]).
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage_weak{c10::intrusive_ptr<c10::StorageImpl>()};
   };
 
   // close_forward(), in order.
@@ -145,6 +176,8 @@ class BlockCall : public capture::RecorderListener,
   void begin_backward();
   at::Tensor serve_kept(int32_t slot);
   at::Tensor still_alive(const Slot& s) const;
+  /// Whether a dropped slot's storage still holds the allocation it had at the drop (held by something else).
+  bool storage_alive(const Slot& s) const;
   void replay_for(ValueId wanted);
   std::unordered_map<ValueId, at::Tensor> run_replay(SegmentInputs& in, const std::vector<at::Tensor>& live,
                                                      ValueId wanted);
@@ -225,6 +258,15 @@ class BlockCall : public capture::RecorderListener,
   std::vector<uint8_t> unpacked_;      // per ValueId
   std::vector<int32_t> dies_before_;   // per ValueId: unpack_order_.size() at its last unpack, -1: not yet
   BlockStats closed_stats_;
+  // Note [dropped values alive elsewhere]: dropped slots whose storage was alive at the refresh (null before it),
+  // the values whose storage was alive at their first unpack, and the inputs held only for the replay.
+  std::optional<std::vector<int32_t>> alive_dropped_slots_;
+  std::unordered_set<ValueId> alive_at_unpack_;
+  int64_t held_for_replay_bytes_ = 0;
+  // The first backward's rebuilt values (weak), and those still alive when a second backward over the graph began.
+  std::vector<std::pair<ValueId, c10::weak_intrusive_ptr<c10::StorageImpl>>> rebuilt_first_round_;
+  std::vector<int32_t> rebuilt_alive_at_second_;
+  int64_t second_backward_ns_ = -1;
 };
 
 /// What pack hands to autograd for one saved tensor: unpack() serves it; destruction releases it (autograd

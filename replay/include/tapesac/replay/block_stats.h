@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tapesac/replay/approx_stats.h"
 #include "tapesac/replay/stats_fields.h"
@@ -70,6 +71,25 @@ struct BlockStats {
 #undef TAPESAC_X
   /// Approximate rematerialization (Session::set_approx): what was matched, and the units replay recomputes.
   ApproxStats approx;
+};
+
+/// Which of a block call's dropped values were alive anyway (Note [dropped values alive elsewhere], block_call.h):
+/// dropping them freed nothing while they were. Tape value ids of the call's tape; for the planner's peak models.
+struct DroppedLiveness {
+  std::string name;  ///< the block call's name (as in BlockStats)
+  /// Dropped values still alive at the end of the step's last block forward (or when this call's forward ended,
+  /// if later calls were none): alive through every forward window after the drop.
+  std::vector<int32_t> alive_after_forward;
+  /// Dropped values whose storage was still alive when the backward first unpacked them.
+  std::vector<int32_t> alive_at_unpack;
+  /// Bytes of the inputs the call held for its replay that nothing else held, at the same point as
+  /// alive_after_forward (a plan that replays nothing does not hold them).
+  int64_t held_for_replay_bytes = 0;
+  /// Values the first backward rebuilt that were still alive when a second backward over the graph began (the
+  /// graph of a create_graph=True backward holds them).
+  std::vector<int32_t> rebuilt_alive_at_second;
+  /// When (step memory clock, ns) the call's first replay of a second backward over the graph began (-1: none).
+  int64_t second_backward_ns = -1;
 };
 
 /// Calls f(const FieldInfo&, field&) for every field of `s` (a BlockStats, const or not) in list order, the approx

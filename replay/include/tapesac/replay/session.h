@@ -7,7 +7,9 @@
 // (block_stats.h), the step's memory (step_memory.h) and its summary (step_summary.h).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +53,9 @@ class Session {
   std::shared_ptr<BlockCall> current_block() const { return current_; }
 
   const std::vector<BlockStats>& last_stats() const { return last_stats_; }
+  /// Per block call of the last step (last_stats() order), its dropped values that were alive anyway (Note
+  /// [dropped values alive elsewhere], block_call.h); collected only while a tape observer is set (the planner).
+  const std::vector<DroppedLiveness>& last_liveness() const { return last_liveness_; }
   /// The last step's totals and per-step figures (computed from last_stats() and the records).
   const StepSummary& last_summary() const { return last_summary_; }
   /// Replayed op counts of the last step, by op name.
@@ -109,6 +114,13 @@ class Session {
   std::vector<std::shared_ptr<BlockCall>> blocks_;
   std::shared_ptr<BlockCall> current_;
   std::vector<BlockStats> last_stats_;
+  std::vector<DroppedLiveness> last_liveness_;
+  // Note [dropped values alive elsewhere] (block_call.h): refreshes every call's liveness once per step, when its
+  // backward starts (set while a tape observer is).
+  std::function<void(BlockCall&)> backward_starts_;
+  std::atomic<bool> backward_started_{false};
+  std::function<void(BlockCall&)> second_backward_starts_;
+  std::atomic<bool> second_backward_started_{false};
   StepSummary last_summary_;
   std::unordered_map<std::string, int64_t> last_replayed_;
   // Ops recorded per block name in the previous step: the recorder pre-sizes its tables from it.

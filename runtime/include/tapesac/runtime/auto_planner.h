@@ -101,16 +101,21 @@ class AutoPlanner {
     std::vector<planner::UnpackOrder> orders;  // per call (empty values: none observed)
     planner::StepInput input;
     std::vector<int64_t> kept_ref, ws_ref;
+    planner::StepExtras extras;  // of the last step (the sequence model's calibration)
     int64_t sum_kept = 0;
     int64_t max_ws = 0;
   };
 
   Prepared prepare() const;
   planner::UnpackOrder unpack_order(const Call& c) const;
-  /// The working set of the schedule call `j` ran with in the last step (the sequence model's reference).
-  int64_t ran_working_set(size_t j, const planner::BlockProblem& p, const planner::UnpackOrder& order) const;
+  /// The working set of the schedule call `j` ran with in the last step (the sequence model's reference);
+  /// `replayed`: the mask of what it did not replay (kept, or served live).
+  int64_t ran_working_set(size_t j, const planner::BlockProblem& p, const planner::UnpackOrder& order,
+                          const planner::KeepMask& replayed) const;
   planner::BlockProblem problem_with_costs(const Call& c) const;
-  planner::StepProfile step_profile() const;
+  /// `extras`: with a retained graph, its last_backward is set (and the first backward's windows end where the
+  /// second begins).
+  planner::StepProfile step_profile(planner::StepExtras* extras = nullptr) const;
   planner::StepPlan plan_step(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
                               int64_t limit) const;
   PlanInfo install(const planner::StepPlan& plan, const planner::StepInput& input);

@@ -52,6 +52,7 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   TAPESAC_CHECK(!calls_.empty(), kGeneric,
                 "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
   const common::Stopwatch clock;
+  remember_alive_anyway();
   const Prepared prep = prepare();
   const planner::PeakModel model = planner::PeakModel::calibrate(measured_peak, prep.sum_kept, prep.max_ws);
   // The sequence model, calibrated on the last step whose every block call replayed (its memory profile is
@@ -214,6 +215,17 @@ planner::KeepMask with_values(const planner::BlockProblem& p, planner::KeepMask 
 
 }  // namespace
 
+std::string AutoPlanner::alive_key(const Call& c) { return c.name + "|" + c.problem->signature; }
+
+void AutoPlanner::remember_alive_anyway() {
+  const auto& liveness = session_.last_liveness();
+  for (size_t j = 0; j < calls_.size() && j < liveness.size(); ++j) {
+    if (liveness[j].name != calls_[j].name) continue;
+    const auto& alive = liveness[j].alive_after_forward;
+    if (!alive.empty()) alive_anyway_[alive_key(calls_[j])].insert(alive.begin(), alive.end());
+  }
+}
+
 AutoPlanner::Prepared AutoPlanner::prepare() const {
   Prepared out;
   std::vector<planner::BlockProblem> problems;
@@ -243,6 +255,19 @@ AutoPlanner::Prepared AutoPlanner::prepare() const {
     out.sum_kept += out.kept_ref.back();
     out.max_ws = std::max(out.max_ws, out.ws_ref.back());
     masks.push_back(c.kept);
+    // Values alive anyway cost nothing to keep while they are: every plan keeps them (Note [dropped values alive
+    // elsewhere], replay/block_call.h), so that no plan is predicted to save bytes by dropping them. (After the
+    // reference figures above: the plan that ran may have dropped them.)
+    // Per call: a call with such values gets a frontier of its own (its problem's signature says which it keeps).
+    if (const auto a = alive_anyway_.find(alive_key(c)); a != alive_anyway_.end() && !options_.fixed_masks) {
+      std::string kept_anyway;
+      for (size_t k = 0; k < p.candidates.size() && k < p.must_keep.size(); ++k) {
+        if (!a->second.count(p.candidates[k])) continue;
+        p.must_keep[k] = 1;
+        kept_anyway += (kept_anyway.empty() ? "" : ",") + std::to_string(p.candidates[k]);
+      }
+      if (!kept_anyway.empty()) p.signature += "+alive:" + kept_anyway;
+    }
     problems.push_back(std::move(p));
   }
   std::vector<const planner::BlockProblem*> ptrs;
@@ -310,6 +335,7 @@ void AutoPlanner::observe(const replay::BlockTapeView& v) {
     if (problems_.size() > options_.max_problems) {
       problems_.clear();
       holdable_.clear();
+      alive_anyway_.clear();
     }
     auto p = std::make_shared<const planner::BlockProblem>(planner::problem_from_tape(
         v.tape, v.candidates, v.must_keep, std::vector<double>(v.tape.ops().size(), 0.0), sig));

@@ -796,6 +796,33 @@ def run_plain(model: nn.Module, program: Program) -> RunResult:
                      {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state())
 
 
+def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, initial: dict) -> RunResult:
+    """AutoLimit's run: the steps before the planned one restore `initial` after them; the planned step's result."""
+    import tapesac
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sac = tapesac.TapeSAC(model, blocks=model.blocks, memory_limit=limit, contract=program.contract)
+        try:
+            if auto.forward_only_first:
+                torch.manual_seed(RUN_SEED)
+                with sac.step():
+                    model(make_input(program))  # grad enabled, no backward
+            for _ in range(2):  # the measuring step, then the planned one
+                model.load_state_dict(initial)
+                model.zero_grad(set_to_none=True)
+                x = make_input(program)
+                torch.manual_seed(RUN_SEED)
+                with sac.step():
+                    loss = run_step(model, program, x)
+            stats = sac.last_step
+        finally:
+            sac.close()
+    return RunResult(loss, {n: p.grad for n, p in model.named_parameters()}, x.grad,
+                     {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state(), stats,
+                     [str(w.message) for w in caught])
+
+
 def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
     import tapesac
 
@@ -851,8 +878,25 @@ def random_op_set(model: nn.Module, program: Program) -> frozenset[str]:
     return frozenset(n for n in names if rng.random() < 0.35)
 
 
+@dataclass(frozen=True)
+class AutoLimit:
+    """Policy "auto" under a memory_limit `frac` of the way from the "full" to the "none" step peak (measured by
+    those policies' runs of the same program), run for two steps from the same initial state — the measuring step
+    (after a forward-only step when `forward_only_first`), then the planned step, which is compared with the plain
+    run and must peak within the limit (issue 18 item 5: auto in the program's step shape)."""
+
+    frac: float
+    forward_only_first: bool = False
+
+
+def auto_limit_for(program: Program) -> AutoLimit:
+    rng = random.Random(f"issue18-auto-{program.seed}")
+    return AutoLimit(frac=rng.choice([0.0, 0.3, 0.7, 1.0]), forward_only_first=rng.random() < 0.2)
+
+
 def policies_for(model: nn.Module, program: Program) -> list[tuple[str, Any]]:
-    return [("full", "full"), ("none", "none"), ("op_set", random_op_set(model, program))]
+    return [("full", "full"), ("none", "none"), ("op_set", random_op_set(model, program)),
+            ("auto", auto_limit_for(program))]
 
 
 @dataclass
@@ -863,6 +907,8 @@ class ProgramOutcome:
     warnings: list[str] = field(default_factory=list)
     # Policies whose step raised ReplayContractError on a program with a .data write ("rejected, never silent").
     contract_rejections: dict[str, str] = field(default_factory=dict)
+    # AutoLimit below the "none" peak refused with MemoryLimitError (a documented outcome; its message is checked).
+    auto_refused: str = ""
 
 
 def check_program(seed: int, policies: list[str] | None = None) -> ProgramOutcome:
@@ -893,14 +939,29 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
         model = base
         model.load_state_dict(initial)
         model.zero_grad(set_to_none=True)
-        where = f"seed {seed}, policy {label}{'' if isinstance(policy, str) else ' ' + repr(sorted(policy))}"
+        shown = policy if isinstance(policy, AutoLimit) else sorted(policy)
+        where = f"seed {seed}, policy {label}{'' if isinstance(policy, str) else ' ' + repr(shown)}"
+        limit = 0
         try:
-            got = run_tapesac(model, program, policy)
+            if isinstance(policy, AutoLimit):
+                if "full" not in outcome.stats or "none" not in outcome.stats:
+                    continue  # the limit comes from their peaks (a .data write may have rejected them)
+                full, none = outcome.stats["full"].memory.peak_bytes, outcome.stats["none"].memory.peak_bytes
+                limit = max(full, int(full + policy.frac * (none - full)))
+                where += f" (memory_limit {limit}: {policy.frac} of the way from full {full} to none {none})"
+                got = run_auto(model, program, policy, limit, initial)
+            else:
+                got = run_tapesac(model, program, policy)
         except Exception as e:
             import tapesac
 
             if program.data_writes and isinstance(e, tapesac.ReplayContractError):
                 outcome.contract_rejections[label] = str(e)  # rejected, not silent: allowed for .data writes
+                continue
+            # auto may refuse a limit below the no-checkpoint peak, naming it (never one at or above that peak).
+            if (isinstance(policy, AutoLimit) and isinstance(e, tapesac.MemoryLimitError) and policy.frac < 1.0
+                    and f"({limit} bytes)" in str(e) and "at least " in str(e)):
+                outcome.auto_refused = str(e)
                 continue
             raise ProgramFailure(f"{where}: the tapesac step raised {type(e).__name__}: {e}\n{program}\n"
                                  f"reproduce: cd tests/python && python3 -c 'import random_program as R; "
@@ -915,6 +976,9 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
                 diffs.append(f"policy 'none' dropped or replayed: {st}")
             elif label == "full" and (st.dropped_tensors == 0 or st.ops_replayed == 0):
                 diffs.append(f"policy 'full' dropped or replayed nothing (every block saves tanh's output): {st}")
+            elif limit and st.memory.peak_bytes > limit:
+                diffs.append(f"policy 'auto': the planned step peaked at {st.memory.peak_bytes} bytes, over the "
+                             f"memory_limit {limit}")
         if diffs:
             raise ProgramFailure(f"{where}: tapesac differs from the plain run:\n  " + "\n  ".join(diffs[:8]) +
                                  f"\n{program}\nreproduce: cd tests/python && python3 -c 'import random_program as R; "
@@ -933,7 +997,8 @@ def tally(seeds: range) -> dict[str, Any]:
         program = Program.generate(seed)
         fams = program.families()
         for f in fams:
-            per.setdefault(f, {"programs": 0, "failed": 0, "rejected_by_contract": 0, "non_finite": 0})["programs"] += 1
+            per.setdefault(f, {"programs": 0, "failed": 0, "rejected_by_contract": 0, "non_finite": 0,
+                               "auto_refused_limit": 0})["programs"] += 1
         try:
             outcome = check_program(seed)
         except ProgramFailure as e:
@@ -944,6 +1009,7 @@ def tally(seeds: range) -> dict[str, Any]:
         for f in fams:
             per[f]["non_finite"] += outcome.rejected
             per[f]["rejected_by_contract"] += bool(outcome.contract_rejections)
+            per[f]["auto_refused_limit"] += bool(outcome.auto_refused)
     return {"families": per, "failures": failures, "programs": len(seeds)}
 
 

@@ -61,6 +61,64 @@ TEST(SequencePeakModel, CalibrationReproducesTheMeasuredPeakAndMovesWithKeptByte
   EXPECT_FALSE(SequencePeakModel::calibrate(StepProfile{}, kept, ws).valid);
 }
 
+// Issue 18 item 5 (Note [Sequence model in unusual steps]): a graph retained across backwards keeps every call's
+// kept bytes alive while the first backward runs; the last backward's windows are as in a plain step.
+TEST(SequencePeakModel, ARetainedGraphCountsEveryCallsKeptBytesUntilTheLastBackward) {
+  // The measured step dropped everything (kept 0): calibration is the same with and without `retained`.
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  const std::vector<int64_t> none{0, 0}, ws{50, 60};
+  const SequencePeakModel plain = SequencePeakModel::calibrate(p, none, ws);
+  StepExtras retained;
+  retained.retained = true;
+  const SequencePeakModel r = SequencePeakModel::calibrate(p, none, ws, retained);
+  ASSERT_TRUE(r.valid);
+  EXPECT_EQ(r.predict(none, ws), plain.predict(none, ws));
+  // Keeping 500 in call 1 (the first backwarded): without a retained graph call 1 has freed it before call 0's
+  // window (the largest); with one it is still alive there.
+  EXPECT_EQ(plain.predict({0, 500}, {50, 0}), std::max<int64_t>(1610, 1500 + 500 - 60));
+  EXPECT_EQ(r.predict({0, 500}, {50, 0}), 1610 + 500);
+  // Measured last-backward windows: they count only the calls not yet backwarded.
+  StepExtras with_last = retained;
+  with_last.last_backward = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {65, 45}, 1000);
+  const SequencePeakModel rl = SequencePeakModel::calibrate(p, none, ws, with_last);
+  ASSERT_EQ(rl.last_backward_c.size(), 2u);
+  EXPECT_EQ(rl.predict({0, 500}, {50, 0}), 1610 + 500);  // the first backward's window of call 0 still counts it
+  EXPECT_EQ(rl.last_backward_c[1], with_last.last_backward.backward_peaks[1] - 60);
+}
+
+// Issue 18 item 5 (Note [dropped values alive elsewhere]): bytes a dropped value held anyway (a module stored it)
+// are in the measured windows; a plan that keeps it must not pay for them twice.
+TEST(SequencePeakModel, DroppedValuesAliveAnywayAreNotCountedTwiceWhenKept) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  const std::vector<int64_t> none{0, 0}, ws{50, 60}, all{100, 100}, nothing{0, 0};
+  const SequencePeakModel plain = SequencePeakModel::calibrate(p, none, ws);
+  StepExtras alive;
+  alive.alive_forward = {100, 0};   // call 0's dropped values stayed alive through the forward
+  alive.alive_backward = {100, 0};  // and into the backward
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, none, ws, alive);
+  // Keeping what was alive anyway costs nothing: the measured step's peak (the planner keeps them in every plan).
+  EXPECT_EQ(m.predict({100, 0}, ws), plain.predict(none, ws));
+  EXPECT_EQ(plain.predict(all, nothing) - m.predict(all, nothing), 100);  // keeping everything: 100 less
+}
+
+// Issue 18 item 5: inputs held only for the replay (a block input autocast casts first) are freed by a plan that
+// keeps everything, and held by one that replays.
+TEST(SequencePeakModel, InputsHeldForTheReplayAreFreedWhenNothingReplays) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  const std::vector<int64_t> none{0, 0}, ws{50, 60};
+  const SequencePeakModel plain = SequencePeakModel::calibrate(p, none, ws);
+  StepExtras held;
+  held.held_for_replay = {40, 40};
+  held.keep_all = {100, 100};
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, none, ws, held);
+  EXPECT_EQ(m.predict(none, ws), 1610);  // the step that ran
+  // Keeping everything frees both calls' inputs; the largest window (call 0's backward) counted call 0's.
+  EXPECT_EQ(plain.predict({100, 100}, {0, 0}), 1660);
+  EXPECT_EQ(m.predict({100, 100}, {0, 0}), 1620);
+  // A plan keeping less than everything in call 0 still holds call 0's inputs there.
+  EXPECT_EQ(m.predict({90, 100}, {10, 0}), plain.predict({90, 100}, {10, 0}));
+}
+
 StepInput step_of(int n_calls, uint64_t seed) {
   testing::RandomOptions o;
   o.n_ops = 25;

@@ -142,6 +142,78 @@ TEST(Runtime, AnInfeasibleLimitNamesTheSmallestFeasibleOneWhichPlans) {
   s2->shutdown();
 }
 
+// Issue 18 item 5: a step whose saved tensors no backward read (an evaluation-like first step) is not planned from;
+// the next step measures again.
+TEST(Runtime, AStepWithoutABackwardIsNotPlannedFrom) {
+  const auto w = torch::randn({kDim, kDim});
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(int64_t{1} << 30));
+  EXPECT_EQ(rt.before_step(), 0);
+  s->begin_step({w});
+  {
+    std::vector<std::unique_ptr<SavedSlot>> saved;
+    torch::Tensor x = torch::randn({64, kDim});
+    for (const char* name : {"b0", "b1"}) {
+      auto call = s->begin_block(name);
+      const torch::Tensor r = torch::relu(torch::mm(x, w));
+      saved.push_back(std::make_unique<SavedSlot>(call, call->pack(r)));
+      x = torch::mm(r, w);
+      s->end_block();
+    }
+  }  // the graph goes without a backward
+  s->end_step();
+  rt.after_step(measured_peak(*s), 1);
+  EXPECT_EQ(rt.plan(), nullptr);
+  EXPECT_TRUE(rt.plans().empty());
+  rt.after_step(run_step(*s, rt, w, 64), 2);  // run_step calls before_step: still the measuring step
+  ASSERT_NE(rt.plan(), nullptr);
+  EXPECT_EQ(rt.plan()->after_step, 2);
+  EXPECT_EQ(rt.plan()->reason, "first step");
+  s->shutdown();
+}
+
+// Issue 18 item 5, Note [dropped values alive elsewhere]: a dropped tensor that something else holds (a module
+// storing its activation) is reported alive, and every later plan keeps it (dropping it frees nothing).
+TEST(Runtime, ADroppedTensorHeldElsewhereIsReportedAndKeptByThePlan) {
+  const auto w = torch::randn({kDim, kDim});
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(int64_t{1} << 30));
+  std::vector<torch::Tensor> stored;  // what the "module" keeps: b1's saved relu result
+  auto step = [&] {
+    rt.before_step();
+    s->begin_step({w});
+    stored.clear();
+    {
+      std::vector<std::unique_ptr<SavedSlot>> saved;
+      torch::Tensor x = torch::randn({64, kDim});
+      for (const char* name : {"b0", "b1", "b2", "b3"}) {
+        auto call = s->begin_block(name);
+        const torch::Tensor r = torch::relu(torch::mm(x, w));
+        if (std::string(name) == "b1") stored.push_back(r);
+        saved.push_back(std::make_unique<SavedSlot>(call, call->pack(r)));
+        x = torch::mm(r, w);
+        s->end_block();
+      }
+      for (auto it = saved.rbegin(); it != saved.rend(); ++it) (*it)->unpack();
+    }
+    s->end_step();
+    return measured_peak(*s);
+  };
+  rt.after_step(step(), 1);  // the measuring step: everything dropped
+  const auto& live = s->last_liveness();
+  ASSERT_EQ(live.size(), 4u);
+  EXPECT_TRUE(live[0].alive_after_forward.empty());
+  EXPECT_EQ(live[1].alive_after_forward.size(), 1u);  // b1's relu result: the test holds it
+  EXPECT_EQ(live[1].alive_at_unpack.size(), 1u);
+  ASSERT_NE(rt.plan(), nullptr);
+  // The least-memory plan keeps b1's value (free: it is alive anyway) and nothing else.
+  const std::vector<FrontierPoint> f = rt.frontier(2);
+  ASSERT_EQ(f.size(), 2u);
+  EXPECT_EQ(f[0].kept_bytes, 64 * kDim * 4);
+  EXPECT_LT(f[0].predicted_peak_bytes, f[1].predicted_peak_bytes);
+  s->shutdown();
+}
+
 TEST(Runtime, InfeasibleLimitMessageSaysWhatHowMuchAndHowToFix) {
   EXPECT_EQ(infeasible_limit_message(4'000'000, 5'242'880),
             "tapesac: memory_limit 3.81 MiB (4000000 bytes) is below the smallest feasible step peak 5.00 MiB "

@@ -97,12 +97,10 @@ struct StepExtras {
 ///    as kept on the measured step (`alive_retained`), or a plan keeping them would pay for them twice.
 ///  * Dropped values alive anyway (Note [dropped values alive elsewhere], replay/block_call.h): dropping them freed
 ///    nothing, so the measured windows hold them although the plan that ran did not keep them. Calibration counts
-///    them as kept where they were alive (forward windows after their call and the tail; backward windows up to
-///    their call's), so that a plan that keeps them is not charged twice. A plan that drops them is then predicted
-///    above what it measures (the safe side). The tail assumes what was alive at the end of the last block forward
-///    stays alive to the first replay (autocast's cache lives to the end of the autocast region); where it does not,
-///    the step measures below the prediction's tail or, for a plan that keeps them, above it — the replan policy's
-///    margin covers that error (runtime/replan_policy.h).
+///    them as kept where they were alive (forward windows after their call and the tail: alive when the backward
+///    began; backward windows up to their call's: alive at their first unpack), so that a plan that keeps them is
+///    not charged twice. The planner keeps them in every later plan (runtime/auto_planner.h): a plan dropping them
+///    would be predicted to save bytes that dropping does not free.
 struct SequencePeakModel {
   bool valid = false;
   int64_t pre = 0;

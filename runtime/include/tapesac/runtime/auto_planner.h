@@ -14,6 +14,10 @@
 //    and the sequence model (planner::SequencePeakModel) on the step's memory profile when every call replayed; the
 //    sequence model is used when valid (and kept while the calls stay the same). An infeasible limit throws
 //    tapesac::Error (kMemoryLimit) with infeasible_limit_message(); nothing is installed then.
+//  * Dropped values found alive anyway after a forward (a module stored them; Note [dropped values alive elsewhere]
+//    in replay/block_call.h) are kept by every later plan of their call (same name and tape signature; such a call
+//    plans on a frontier of its own): keeping them costs nothing while they are alive, and the peak models would
+//    otherwise credit dropping them with bytes it does not free.
 //  * Not thread-safe: begin_step/plan/frontier between steps, observation during the step's forwards (one thread).
 #pragma once
 
@@ -22,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tapesac/planner/from_tape.h"
@@ -107,6 +112,10 @@ class AutoPlanner {
   };
 
   Prepared prepare() const;
+  /// Adds the last step's values alive anyway (Session::last_liveness) to alive_anyway_.
+  void remember_alive_anyway();
+  /// alive_anyway_'s key of a call: its name and tape signature.
+  static std::string alive_key(const Call& c);
   planner::UnpackOrder unpack_order(const Call& c) const;
   /// The working set of the schedule call `j` ran with in the last step (the sequence model's reference);
   /// `replayed`: the mask of what it did not replay (kept, or served live).
@@ -126,6 +135,9 @@ class AutoPlanner {
   planner::CostModel cost_model_;
   std::unordered_map<std::string, std::shared_ptr<const planner::BlockProblem>> problems_;
   std::unordered_map<std::string, std::shared_ptr<const std::vector<uint8_t>>> holdable_;
+  // Per call (name and signature): candidates found alive anyway after a forward that dropped them (kept by every
+  // later plan of that call).
+  std::unordered_map<std::string, std::unordered_set<int32_t>> alive_anyway_;
   std::vector<Call> calls_;
   planner::PeakModel last_model_;
   planner::SequencePeakModel seq_;

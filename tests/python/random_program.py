@@ -21,6 +21,12 @@ backward twice (retain_graph), two losses backward in turn, `torch.autograd.grad
 `autograd.grad` then `backward`. A program with a `.data` write may be rejected with ReplayContractError (issue 18:
 "recovered or rejected, never silent"); `Program.families()` names the families a program belongs to.
 
+Issue 18 item 5: every program also runs policy "auto" (`AutoLimit`) under a memory_limit between the "full" and the
+"none" peaks of its own runs (0, 0.3, 0.7 or all of the way), for two steps from one initial state (sometimes after a
+forward-only step), in the program's step shape; the planned step must be bitwise equal to the plain run (a failure),
+and its memory outcome — within the limit, over it and flagged (`over_limit`), or refused with a MemoryLimitError
+naming the limit — is counted by `tally()` (an unflagged step over the limit is a failure).
+
 Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
 print it: `print(R.Program.generate(SEED))`.
 """
@@ -907,8 +913,12 @@ class ProgramOutcome:
     warnings: list[str] = field(default_factory=list)
     # Policies whose step raised ReplayContractError on a program with a .data write ("rejected, never silent").
     contract_rejections: dict[str, str] = field(default_factory=dict)
-    # AutoLimit below the "none" peak refused with MemoryLimitError (a documented outcome; its message is checked).
+    # AutoLimit's memory outcomes (counted by tally(), not failures: the README's "flagged" and "raised" outcomes;
+    # a refused limit's message must name it): refused with MemoryLimitError below / at the "none" peak, and by how
+    # many bytes the planned step exceeded the limit (flagged over_limit).
     auto_refused: str = ""
+    auto_refused_at_none_peak: str = ""
+    auto_over_limit_bytes: int = 0
 
 
 def check_program(seed: int, policies: list[str] | None = None) -> ProgramOutcome:
@@ -958,10 +968,13 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
             if program.data_writes and isinstance(e, tapesac.ReplayContractError):
                 outcome.contract_rejections[label] = str(e)  # rejected, not silent: allowed for .data writes
                 continue
-            # auto may refuse a limit below the no-checkpoint peak, naming it (never one at or above that peak).
-            if (isinstance(policy, AutoLimit) and isinstance(e, tapesac.MemoryLimitError) and policy.frac < 1.0
+            # auto may refuse a limit, naming it and a larger figure (counted; README: never silently over).
+            if (isinstance(policy, AutoLimit) and isinstance(e, tapesac.MemoryLimitError)
                     and f"({limit} bytes)" in str(e) and "at least " in str(e)):
-                outcome.auto_refused = str(e)
+                if policy.frac < 1.0:
+                    outcome.auto_refused = str(e)
+                else:
+                    outcome.auto_refused_at_none_peak = str(e)
                 continue
             raise ProgramFailure(f"{where}: the tapesac step raised {type(e).__name__}: {e}\n{program}\n"
                                  f"reproduce: cd tests/python && python3 -c 'import random_program as R; "
@@ -977,8 +990,10 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
             elif label == "full" and (st.dropped_tensors == 0 or st.ops_replayed == 0):
                 diffs.append(f"policy 'full' dropped or replayed nothing (every block saves tanh's output): {st}")
             elif limit and st.memory.peak_bytes > limit:
-                diffs.append(f"policy 'auto': the planned step peaked at {st.memory.peak_bytes} bytes, over the "
-                             f"memory_limit {limit}")
+                if not st.over_limit:
+                    diffs.append(f"policy 'auto': the planned step peaked at {st.memory.peak_bytes} bytes, over the "
+                                 f"memory_limit {limit}, and is not flagged over_limit")
+                outcome.auto_over_limit_bytes = st.memory.peak_bytes - limit
         if diffs:
             raise ProgramFailure(f"{where}: tapesac differs from the plain run:\n  " + "\n  ".join(diffs[:8]) +
                                  f"\n{program}\nreproduce: cd tests/python && python3 -c 'import random_program as R; "
@@ -992,13 +1007,15 @@ def tally(seeds: range) -> dict[str, Any]:
     """Runs check_program over `seeds` and counts, per family (Program.families), the programs, the failures (a
     gradient differs, or the step raised) and the contract rejections. For reports: `python random_program.py 0 500`."""
     per: dict[str, dict[str, int]] = {}
+    totals = {"auto_within_limit": 0, "auto_over_limit": 0, "auto_refused_limit": 0, "auto_refused_at_none_peak": 0}
     failures: list[tuple[int, list[str], str]] = []
     for seed in seeds:
         program = Program.generate(seed)
         fams = program.families()
         for f in fams:
             per.setdefault(f, {"programs": 0, "failed": 0, "rejected_by_contract": 0, "non_finite": 0,
-                               "auto_refused_limit": 0})["programs"] += 1
+                               "auto_refused_limit": 0, "auto_refused_at_none_peak": 0,
+                               "auto_over_limit": 0})["programs"] += 1
         try:
             outcome = check_program(seed)
         except ProgramFailure as e:
@@ -1010,7 +1027,15 @@ def tally(seeds: range) -> dict[str, Any]:
             per[f]["non_finite"] += outcome.rejected
             per[f]["rejected_by_contract"] += bool(outcome.contract_rejections)
             per[f]["auto_refused_limit"] += bool(outcome.auto_refused)
-    return {"families": per, "failures": failures, "programs": len(seeds)}
+            per[f]["auto_refused_at_none_peak"] += bool(outcome.auto_refused_at_none_peak)
+            per[f]["auto_over_limit"] += outcome.auto_over_limit_bytes > 0
+        if outcome.auto_refused or outcome.auto_refused_at_none_peak:
+            totals["auto_refused_limit" if outcome.auto_refused else "auto_refused_at_none_peak"] += 1
+        elif outcome.auto_over_limit_bytes > 0:
+            totals["auto_over_limit"] += 1
+        elif "auto" in outcome.stats:
+            totals["auto_within_limit"] += 1
+    return {"families": per, "failures": failures, "programs": len(seeds), "auto": totals}
 
 
 if __name__ == "__main__":
@@ -1023,5 +1048,6 @@ if __name__ == "__main__":
     result = tally(range(first, last))
     print(json.dumps(result["families"], indent=1, sort_keys=True))
     print(f"{len(result['failures'])} of {result['programs']} programs failed")
+    print("policy auto's memory outcomes (programs):", json.dumps(result["auto"], sort_keys=True))
     for seed, fams, msg in result["failures"]:
         print(f"  seed {seed} {fams}: {msg}")

@@ -77,13 +77,13 @@ struct BlockStats {
 /// dropping them freed nothing while they were. Tape value ids of the call's tape; for the planner's peak models.
 struct DroppedLiveness {
   std::string name;  ///< the block call's name (as in BlockStats)
-  /// Dropped values still alive at the end of the step's last block forward (or when this call's forward ended,
-  /// if later calls were none): alive through every forward window after the drop.
+  /// Dropped values whose storage was still alive when the step's backward began (its first unpack): alive through
+  /// every forward window after the drop and the tail.
   std::vector<int32_t> alive_after_forward;
   /// Dropped values whose storage was still alive when the backward first unpacked them.
   std::vector<int32_t> alive_at_unpack;
-  /// Bytes of the inputs the call held for its replay that nothing else held, at the same point as
-  /// alive_after_forward (a plan that replays nothing does not hold them).
+  /// Bytes of the inputs the call held for its replay that nothing else held when the backward began (a plan that
+  /// replays nothing does not hold them).
   int64_t held_for_replay_bytes = 0;
   /// Values the first backward rebuilt that were still alive when a second backward over the graph began (the
   /// graph of a create_graph=True backward holds them).

@@ -51,6 +51,7 @@ class Pruner {
     read(r.value, r.state, /*content_free=*/false, /*reader=*/-1, /*bytes_read=*/true);
     drain();
     const bool ok = result_.ok;
+    walked_ += static_cast<int64_t>(touched_ops_.size());
     for (OpIndex i : touched_ops_) {
       if (ok) verified[static_cast<size_t>(i)] = 1;
       needed_[static_cast<size_t>(i)] = 0;
@@ -64,6 +65,8 @@ class Pruner {
     result_ = PruneResult();
     return ok;
   }
+
+  int64_t walked() const { return walked_; }
 
  private:
   void fail(OpIndex op, ValueId v, std::string why) {
@@ -168,6 +171,7 @@ class Pruner {
   std::vector<OpIndex> touched_ops_;
   std::vector<StorageId> touched_storages_;
   std::vector<ValueId> touched_values_;
+  int64_t walked_ = 0;
 };
 
 }  // namespace
@@ -202,5 +206,7 @@ RebuildCheck::RebuildCheck(const Tape& tape, const std::vector<uint8_t>& availab
 RebuildCheck::~RebuildCheck() = default;
 
 bool RebuildCheck::ok(Read r) { return state_->pruner.check(r, state_->verified); }
+
+int64_t RebuildCheck::ops_walked() const { return state_->pruner.walked(); }
 
 }  // namespace tapesac::replay

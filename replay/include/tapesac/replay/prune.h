@@ -69,6 +69,8 @@ class RebuildCheck {
 
   /// Whether replay can rebuild `r` from the values available now.
   bool ok(Read r);
+  /// Ops walked over all calls so far (each op at most once per failed read, once in all for accepted ones).
+  int64_t ops_walked() const;
 
  private:
   struct State;

@@ -27,6 +27,12 @@
 # - `--json PATH` writes all numbers with the environment (tapesac.bench.harness.environment: provenance, torch,
 #   CPU model, threads, date);
 #   `--smoke` runs few rounds (< 20 s). Exit status 1 when a variant fails validation.
+# - `--instructions`: instead of time, instructions per forward counted by valgrind's callgrind (deterministic on a
+#   shared machine). One child process per workload runs under `valgrind --tool=callgrind --instr-atstart=no`;
+#   it switches instrumentation on around `--forwards` forwards of each variant and dumps the counts after each,
+#   through callgrind's client requests (a 2-function C shim compiled at run time from valgrind/callgrind.h);
+#   an empty region (no forward) measured the same way is subtracted. Reported per variant: instructions per
+#   forward, x plain, and the overhead in instructions per recorded op. Needs valgrind, its header and cc.
 from __future__ import annotations
 
 import argparse
@@ -284,6 +290,112 @@ def print_table(results: list[dict[str, Any]]) -> None:
             print(f"  ERROR {k}: {e}")
 
 
+_CALLGRIND_SHIM = r"""
+#include <valgrind/callgrind.h>
+void cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void cg_stop_and_dump(const char* name) { CALLGRIND_DUMP_STATS_AT(name); CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def _callgrind_shim(tmp: str) -> Any:
+    """callgrind's client requests (synchronous, unlike callgrind_control) through a 2-function C library built
+    here with the system compiler from valgrind's header."""
+    import ctypes
+    import subprocess
+
+    src, lib = Path(tmp) / "cg_shim.c", Path(tmp) / "cg_shim.so"
+    src.write_text(_CALLGRIND_SHIM)
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    shim = ctypes.CDLL(str(lib))
+    shim.cg_stop_and_dump.argtypes = [ctypes.c_char_p]
+    return shim
+
+
+def instructions_child(args: argparse.Namespace) -> int:
+    """Runs under callgrind (--instr-atstart=no): one dump per region, in the order written to args.child_out."""
+    mod, x, desc = build_workload(args.instructions_child, args)
+    variants = make_variants(mod, x, args.variants)
+    ref = variants["plain"]["fn"]()
+    for name, v in variants.items():
+        if not bits_equal(v["fn"](), ref):
+            raise SystemExit(f"bench_record: variant {name} differs from plain (expected bitwise equal)")
+        for _ in range(3):
+            v["fn"]()
+    ops = len(tapesac.record_ops(variants["plain"]["mod"], x))
+    shim = _callgrind_shim(str(Path(args.child_out).parent))
+    regions = ["(empty)"] + list(variants)
+    for name in regions:
+        fn = variants[name]["fn"] if name in variants else None
+        n = args.forwards if fn is not None else 0
+        shim.cg_start()
+        for _ in range(n):
+            fn()
+        shim.cg_stop_and_dump(name.encode())
+    for v in variants.values():
+        if v["sac"] is not None:
+            v["sac"].close()
+    Path(args.child_out).write_text(json.dumps({"regions": regions, "ops": ops, "description": desc}))
+    return 0
+
+
+def _dump_totals(prefix: Path) -> list[int]:
+    """Ir totals of callgrind's numbered dumps prefix.1, prefix.2, ... in order."""
+    parts = sorted(prefix.parent.glob(prefix.name + ".*"), key=lambda q: int(q.suffix[1:]))
+    totals = []
+    for q in parts:
+        for line in q.read_text(errors="replace").splitlines():
+            if line.startswith("summary:"):
+                totals.append(int(line.split()[1]))
+                break
+    return totals
+
+
+def bench_instructions(workload: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
+        raise SystemExit("bench_record --instructions needs valgrind and its header valgrind/callgrind.h "
+                         "(Debian: apt-get install valgrind) and a C compiler (cc)")
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = Path(tmp) / "cg.out"
+        child_out = Path(tmp) / "child.json"
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={prefix}",
+               sys.executable, str(Path(__file__).resolve()), *argv, "--instructions-child", workload,
+               "--child-out", str(child_out)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0 or not child_out.exists():
+            raise SystemExit(f"bench_record: the callgrind child failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+        info = json.loads(child_out.read_text())
+        totals = _dump_totals(prefix)
+    regions = info["regions"]
+    if len(totals) < len(regions):
+        raise SystemExit(f"bench_record: expected {len(regions)} callgrind dumps, found {len(totals)}")
+    base = totals[0]
+    per_fwd = {n: (t - base) / args.forwards for n, t in zip(regions[1:], totals[1:len(regions)])}
+    ops = info["ops"]
+    res: dict[str, Any] = {"workload": workload, "description": info["description"], "ops_per_forward": ops,
+                           "forwards": args.forwards, "empty_region_instructions": base, "variants": {}}
+    for n, ir in per_fwd.items():
+        v = {"instructions_per_forward": ir, "ratio_to_plain": ir / per_fwd["plain"]}
+        if n != "plain":
+            v["overhead_instructions_per_op"] = (ir - per_fwd["plain"]) / ops
+        res["variants"][n] = v
+    return res
+
+
+def print_instructions(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        print(f"\n{res['workload']}: {res['description']}; {res['ops_per_forward']} recorded ops per forward; "
+              f"{res['forwards']} forwards per variant under callgrind")
+        print(f"  {'variant':<10} {'instr/forward':>14} {'x plain':>8} {'overhead instr/op':>18}")
+        for n, v in res["variants"].items():
+            over = v.get("overhead_instructions_per_op")
+            print(f"  {n:<10} {v['instructions_per_forward']:14,.0f} {v['ratio_to_plain']:8.3f}"
+                  + (f" {over:18,.0f}" if over is not None else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Per-op cost of tapesac's tape recording (CPU, forward only).")
     p.add_argument("--workloads", default="smallops,qwen3_layer", help="comma-separated: smallops,qwen3_layer")
@@ -302,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
                         "0 keeps torch's default)")
     p.add_argument("--smoke", action="store_true", help="few rounds, for CI (< 20 s)")
     p.add_argument("--json", default=None, metavar="PATH", help="write results and environment as JSON")
+    p.add_argument("--instructions", action="store_true",
+                   help="count instructions per forward under valgrind's callgrind instead of timing")
+    p.add_argument("--forwards", type=int, default=10, help="--instructions: forwards per variant (default 10)")
+    p.add_argument("--instructions-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or args.variants[0] != "plain":
@@ -310,8 +428,30 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.warmup, args.min_sample_ms = min(args.rounds, 5), min(args.warmup, 1), min(args.min_sample_ms, 3.0)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.instructions_child:
+        return instructions_child(args)
 
     env = harness.environment()
+    if args.instructions:
+        t0 = time.perf_counter()
+        child_argv = [a for a in raw_argv if a not in ("--instructions",)]
+        if "--json" in child_argv:
+            i = child_argv.index("--json")
+            del child_argv[i:i + 2]
+        child_argv = [a for a in child_argv if not a.startswith("--json=")]
+        print(f"bench_record --instructions: torch {env['torch']}, {harness.describe_provenance(env)}; "
+              f"{args.forwards} forwards per variant")
+        results = [bench_instructions(w.strip(), args, child_argv) for w in args.workloads.split(",") if w.strip()]
+        print_instructions(results)
+        print(f"\n(instructions counted by callgrind; overhead = (variant - plain) / recorded ops; "
+              f"{time.perf_counter() - t0:.1f} s)")
+        if args.json:
+            out = {"schema_version": 1, "benchmark": "bench_record_instructions", "environment": env,
+                   "args": {k: v for k, v in vars(args).items()}, "results": results}
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, "
           f"{harness.describe_provenance(env)}; {args.rounds} rounds after {args.warmup} warm-up")
     t0 = time.perf_counter()

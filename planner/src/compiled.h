@@ -21,6 +21,19 @@ struct StorageGroups {
 };
 StorageGroups storage_groups(const BlockProblem& problem);
 
+/// Per storage group: its first value, whose op creates the storage (later values of the group alias it).
+std::vector<int32_t> group_creators(const StorageGroups& groups);
+
+/// The replay memory walk (replay_working_set_bytes' rules; the schedule model's per-segment replays): peak bytes
+/// allocated while the `needed` ops (per op) run in tape order. An op allocates its outputs while its inputs are
+/// live; an output lives until its last read by a needed op, a `pinned` one (per value) to the end. Reads of
+/// `resident` values (per value) are served by a resident copy and keep no replayed copy alive. A storage group's
+/// allocation is its largest live member; an output aliasing a storage no replayed value holds (a resident one) adds
+/// nothing. `creators` is group_creators(groups).
+int64_t replay_walk_peak(const BlockProblem& problem, const StorageGroups& groups, const std::vector<int32_t>& creators,
+                         const std::vector<uint8_t>& needed, const std::vector<uint8_t>& resident,
+                         const std::vector<uint8_t>& pinned);
+
 /// Per candidate, the ops of M(c) (ascending) — see Note [Replay closure].
 std::vector<std::vector<int32_t>> min_closures(const BlockProblem& problem);
 

@@ -59,71 +59,13 @@ double replay_cost_ns(const BlockProblem& p, const KeepMask& keep) {
 int64_t replay_working_set_bytes(const BlockProblem& p, const KeepMask& keep) {
   const std::vector<uint8_t> needed = needed_ops(p, keep);
   const detail::StorageGroups groups = detail::storage_groups(p);
-  // The first value of a storage group creates the storage; later ones alias it.
-  std::vector<int32_t> creator(static_cast<size_t>(groups.count), -1);
-  for (size_t v = 0; v < p.values.size(); ++v) {
-    int32_t& c = creator[static_cast<size_t>(groups.of_value[v])];
-    if (c < 0) c = static_cast<int32_t>(v);
-  }
-  enum : uint8_t { kOther, kKept, kDropped };
-  std::vector<uint8_t> role(p.values.size(), kOther);
+  // Reads of kept values are served by the resident copy, so a replayed copy of a kept value dies at once; dropped
+  // candidates live to the end (autograd unpacks them).
+  std::vector<uint8_t> kept(p.values.size(), 0), dropped(p.values.size(), 0);
   for (size_t c = 0; c < p.candidates.size(); ++c) {
-    role[static_cast<size_t>(p.candidates[c])] = keep[c] ? kKept : kDropped;
+    (keep[c] ? kept : dropped)[static_cast<size_t>(p.candidates[c])] = 1;
   }
-
-  // Last replayed reader of each value. Reads of kept values are served by the resident copy, so a replayed copy
-  // of a kept value dies at once; dropped candidates live to the end.
-  const int32_t kForever = static_cast<int32_t>(p.ops.size());
-  std::vector<int32_t> last_use(p.values.size(), -1);
-  for (size_t i = 0; i < needed.size(); ++i) {
-    if (!needed[i]) continue;
-    for (int32_t v : p.ops[i].inputs) {
-      if (role[static_cast<size_t>(v)] != kKept) last_use[static_cast<size_t>(v)] = static_cast<int32_t>(i);
-    }
-  }
-  for (size_t v = 0; v < role.size(); ++v) {
-    if (role[v] == kDropped) last_use[v] = kForever;
-  }
-  // Replay's own storages: a group's allocation is its largest live member, freed when its last member dies.
-  std::vector<int64_t> group_alloc(static_cast<size_t>(groups.count), 0);
-  std::vector<int32_t> group_live(static_cast<size_t>(groups.count), 0);
-  std::vector<uint8_t> counted(p.values.size(), 0);
-  int64_t current = 0;
-  int64_t peak = 0;
-  auto release = [&](int32_t v) {
-    if (!counted[static_cast<size_t>(v)]) return;
-    counted[static_cast<size_t>(v)] = 0;
-    const size_t g = static_cast<size_t>(groups.of_value[static_cast<size_t>(v)]);
-    if (--group_live[g] == 0) {
-      current -= group_alloc[g];
-      group_alloc[g] = 0;
-    }
-  };
-  for (size_t i = 0; i < needed.size(); ++i) {
-    if (!needed[i]) continue;
-    const PlanOp& op = p.ops[i];
-    for (int32_t v : op.outputs) {
-      const size_t g = static_cast<size_t>(groups.of_value[static_cast<size_t>(v)]);
-      // An alias of a storage replay does not hold aliases a resident one (a kept or external value): free.
-      // Note: replay writes into a resident storage through a private copy, which this does not count.
-      if (creator[g] != v && group_live[g] == 0) continue;
-      const int64_t bytes = p.values[static_cast<size_t>(v)].bytes;
-      if (bytes > group_alloc[g]) {
-        current += bytes - group_alloc[g];
-        group_alloc[g] = bytes;
-      }
-      ++group_live[g];
-      counted[static_cast<size_t>(v)] = 1;
-    }
-    peak = std::max(peak, current);
-    for (int32_t v : op.outputs) {
-      if (last_use[static_cast<size_t>(v)] <= static_cast<int32_t>(i)) release(v);
-    }
-    for (int32_t v : op.inputs) {
-      if (last_use[static_cast<size_t>(v)] == static_cast<int32_t>(i)) release(v);
-    }
-  }
-  return peak;
+  return detail::replay_walk_peak(p, groups, detail::group_creators(groups), needed, kept, dropped);
 }
 
 int64_t kept_bytes(const BlockProblem& p, const KeepMask& keep) {
@@ -153,5 +95,73 @@ KeepMask forced_keep(const BlockProblem& p) {
 }
 
 KeepMask keep_all(const BlockProblem& p) { return KeepMask(p.candidates.size(), 1); }
+
+namespace detail {
+
+std::vector<int32_t> group_creators(const StorageGroups& groups) {
+  std::vector<int32_t> creator(static_cast<size_t>(groups.count), -1);
+  for (size_t v = 0; v < groups.of_value.size(); ++v) {
+    int32_t& c = creator[static_cast<size_t>(groups.of_value[v])];
+    if (c < 0) c = static_cast<int32_t>(v);
+  }
+  return creator;
+}
+
+int64_t replay_walk_peak(const BlockProblem& p, const StorageGroups& groups, const std::vector<int32_t>& creators,
+                         const std::vector<uint8_t>& needed, const std::vector<uint8_t>& resident,
+                         const std::vector<uint8_t>& pinned) {
+  const int32_t forever = static_cast<int32_t>(p.ops.size());
+  std::vector<int32_t> last_use(p.values.size(), -1);
+  for (size_t i = 0; i < needed.size(); ++i) {
+    if (!needed[i]) continue;
+    for (int32_t v : p.ops[i].inputs) {
+      if (!resident[static_cast<size_t>(v)]) last_use[static_cast<size_t>(v)] = static_cast<int32_t>(i);
+    }
+  }
+  for (size_t v = 0; v < pinned.size(); ++v) {
+    if (pinned[v]) last_use[v] = forever;
+  }
+  std::vector<int64_t> group_alloc(static_cast<size_t>(groups.count), 0);
+  std::vector<int32_t> group_live(static_cast<size_t>(groups.count), 0);
+  std::vector<uint8_t> counted(p.values.size(), 0);
+  int64_t current = 0;
+  int64_t peak = 0;
+  auto release = [&](int32_t v) {
+    if (!counted[static_cast<size_t>(v)]) return;
+    counted[static_cast<size_t>(v)] = 0;
+    const size_t g = static_cast<size_t>(groups.of_value[static_cast<size_t>(v)]);
+    if (--group_live[g] == 0) {
+      current -= group_alloc[g];
+      group_alloc[g] = 0;
+    }
+  };
+  for (size_t i = 0; i < needed.size(); ++i) {
+    if (!needed[i]) continue;
+    const PlanOp& op = p.ops[i];
+    for (int32_t v : op.outputs) {
+      const size_t g = static_cast<size_t>(groups.of_value[static_cast<size_t>(v)]);
+      // An alias of a storage replay does not hold aliases a resident one (a kept or external value): free.
+      // Note: replay writes into a resident storage through a private copy, which this does not count.
+      if (creators[g] != v && group_live[g] == 0) continue;
+      const int64_t bytes = p.values[static_cast<size_t>(v)].bytes;
+      if (bytes > group_alloc[g]) {
+        current += bytes - group_alloc[g];
+        group_alloc[g] = bytes;
+      }
+      ++group_live[g];
+      counted[static_cast<size_t>(v)] = 1;
+    }
+    peak = std::max(peak, current);
+    for (int32_t v : op.outputs) {
+      if (last_use[static_cast<size_t>(v)] <= static_cast<int32_t>(i)) release(v);
+    }
+    for (int32_t v : op.inputs) {
+      if (last_use[static_cast<size_t>(v)] == static_cast<int32_t>(i)) release(v);
+    }
+  }
+  return peak;
+}
+
+}  // namespace detail
 
 }  // namespace tapesac::planner

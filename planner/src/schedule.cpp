@@ -3,8 +3,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <cstdio>
-#include <cstdlib>
 
 #include "compiled.h"
 #include "tapesac/common/errors.h"
@@ -23,14 +21,9 @@ struct Model {
   std::vector<int32_t> death;       // per value: dies before the first unpack at this position
 
   Model(const BlockProblem& problem, const KeepMask& keep, const UnpackOrder& u)
-      : p(problem), groups(detail::storage_groups(problem)) {
+      : p(problem), groups(detail::storage_groups(problem)), creator(detail::group_creators(groups)) {
     validate_mask(problem, keep);
     const size_t n = p.values.size();
-    creator.assign(static_cast<size_t>(groups.count), -1);
-    for (size_t v = 0; v < n; ++v) {
-      int32_t& c = creator[static_cast<size_t>(groups.of_value[v])];
-      if (c < 0) c = static_cast<int32_t>(v);
-    }
     base.assign(n, 0);
     for (size_t v = 0; v < n; ++v) base[v] = p.values[v].producer == kExternalProducer;
     for (size_t c = 0; c < p.candidates.size(); ++c) {
@@ -66,60 +59,6 @@ std::vector<uint8_t> closure(const BlockProblem& p, std::vector<uint8_t> wanted,
     }
   }
   return needed;
-}
-
-// Peak bytes a replay of the `needed` ops allocates (replay_working_set_bytes' rules): reads of `resident` values
-// allocate nothing, `pinned` outputs live to its end, other outputs until their last read.
-int64_t closure_peak(const Model& m, const std::vector<uint8_t>& needed, const std::vector<uint8_t>& resident,
-                     const std::vector<uint8_t>& pinned) {
-  const BlockProblem& p = m.p;
-  const int32_t forever = static_cast<int32_t>(p.ops.size());
-  std::vector<int32_t> last_use(p.values.size(), -1);
-  for (size_t i = 0; i < needed.size(); ++i) {
-    if (!needed[i]) continue;
-    for (int32_t v : p.ops[i].inputs) {
-      if (!resident[static_cast<size_t>(v)]) last_use[static_cast<size_t>(v)] = static_cast<int32_t>(i);
-    }
-  }
-  for (size_t v = 0; v < pinned.size(); ++v) {
-    if (pinned[v]) last_use[v] = forever;
-  }
-  std::vector<int64_t> group_alloc(static_cast<size_t>(m.groups.count), 0);
-  std::vector<int32_t> group_live(static_cast<size_t>(m.groups.count), 0);
-  std::vector<uint8_t> counted(p.values.size(), 0);
-  int64_t current = 0, peak = 0;
-  auto release = [&](int32_t v) {
-    if (!counted[static_cast<size_t>(v)]) return;
-    counted[static_cast<size_t>(v)] = 0;
-    const size_t g = static_cast<size_t>(m.groups.of_value[static_cast<size_t>(v)]);
-    if (--group_live[g] == 0) {
-      current -= group_alloc[g];
-      group_alloc[g] = 0;
-    }
-  };
-  for (size_t i = 0; i < needed.size(); ++i) {
-    if (!needed[i]) continue;
-    const PlanOp& op = p.ops[i];
-    for (int32_t v : op.outputs) {
-      const size_t g = static_cast<size_t>(m.groups.of_value[static_cast<size_t>(v)]);
-      if (m.creator[g] != v && group_live[g] == 0) continue;  // aliases a resident storage
-      const int64_t bytes = p.values[static_cast<size_t>(v)].bytes;
-      if (bytes > group_alloc[g]) {
-        current += bytes - group_alloc[g];
-        group_alloc[g] = bytes;
-      }
-      ++group_live[g];
-      counted[static_cast<size_t>(v)] = 1;
-    }
-    peak = std::max(peak, current);
-    for (int32_t v : op.outputs) {
-      if (last_use[static_cast<size_t>(v)] <= static_cast<int32_t>(i)) release(v);
-    }
-    for (int32_t v : op.inputs) {
-      if (last_use[static_cast<size_t>(v)] == static_cast<int32_t>(i)) release(v);
-    }
-  }
-  return peak;
 }
 
 // Bytes of the distinct storage groups of the values marked in `alive` (external groups excluded).
@@ -254,7 +193,7 @@ class Simulation {
       }
     }
     const int64_t before = group_bytes(m_, alive);
-    const int64_t ws = before + closure_peak(m_, needed, resident, pinned);
+    const int64_t ws = before + detail::replay_walk_peak(m_.p, m_.groups, m_.creator, needed, resident, pinned);
     if (ws > out.working_set_bytes) {
       out.working_set_bytes = ws;
       out.peak_segment = s;
@@ -369,12 +308,6 @@ std::vector<ScheduleChoice> schedule_choices(const BlockProblem& problem, const 
         for (size_t k = 0; k < group.size(); ++k) from[static_cast<size_t>(group[k])] = before[k];
         ++evaluations;
         const int64_t freed = cur.working_set_bytes - c.working_set_bytes;
-        if (std::getenv("TAPESAC_DBG2")) {
-          std::fprintf(stderr, "  cand");
-          for (int32_t v : group) std::fprintf(stderr, " v%d", v);
-          std::fprintf(stderr, ": ws %.3f -> %.3f (peak seg %d) cost +%.2f ms\n", cur.working_set_bytes / 1048576.0,
-                       c.working_set_bytes / 1048576.0, c.peak_segment, (c.replay_cost_ns - cur.replay_cost_ns) / 1e6);
-        }
         if (freed <= 0) continue;
         const double score = static_cast<double>(freed) / std::max(1.0, c.replay_cost_ns - cur.replay_cost_ns);
         if (score > best_score) {

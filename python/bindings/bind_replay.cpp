@@ -56,25 +56,75 @@ std::unique_ptr<Session> make_session(const std::string& policy, py::object save
   return std::make_unique<Session>(std::move(o));
 }
 
-py::object pack(Session& s, const at::Tensor& t) {
-  auto block = s.current_block();
-  if (block == nullptr) return py::cast(capture::detached_alias(t));
-  // A capsule is the cheapest Python object with a destructor: autograd drops it with the graph node that saved the
-  // tensor, which releases the slot.
-  auto slot = std::make_unique<replay::SavedSlot>(block, block->pack(t));
-  return py::capsule(slot.release(), kSlotCapsule, [](PyObject* capsule) {
-    std::unique_ptr<replay::SavedSlot>(static_cast<replay::SavedSlot*>(PyCapsule_GetPointer(capsule, kSlotCapsule)));
-  });
+void release_slot(PyObject* capsule) {
+  delete static_cast<replay::SavedSlot*>(PyCapsule_GetPointer(capsule, kSlotCapsule));
 }
 
-at::Tensor unpack(const py::object& obj) {
-  if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
-  TAPESAC_CHECK(PyCapsule_IsValid(obj.ptr(), kSlotCapsule), kGeneric,
-                "tapesac: unpack expected a tensor or a tapesac saved slot, got ",
-                py::str(py::type::of(obj)).cast<std::string>());
-  const auto* slot = static_cast<const replay::SavedSlot*>(PyCapsule_GetPointer(obj.ptr(), kSlotCapsule));
+// A capsule is the cheapest Python object with a destructor: autograd drops it with the graph node that saved the
+// tensor, which releases the slot.
+PyObject* pack(Session& s, const at::Tensor& t) {
+  auto block = s.current_block();
+  if (block == nullptr) return THPVariable_Wrap(capture::detached_alias(t));
+  auto slot = std::make_unique<replay::SavedSlot>(block, block->pack(t));
+  PyObject* capsule = PyCapsule_New(slot.get(), kSlotCapsule, &release_slot);
+  if (capsule != nullptr) slot.release();
+  return capsule;
+}
+
+at::Tensor unpack(PyObject* obj) {
+  if (THPVariable_Check(obj)) return THPVariable_Unpack(obj);
+  TAPESAC_CHECK(PyCapsule_IsValid(obj, kSlotCapsule), kGeneric,
+                "tapesac: unpack expected a tensor or a tapesac saved slot, got ", Py_TYPE(obj)->tp_name);
+  const auto* slot = static_cast<const replay::SavedSlot*>(PyCapsule_GetPointer(obj, kSlotCapsule));
   py::gil_scoped_release no_gil;  // replay may be long; Python dispatch modes re-take the GIL
   return slot->unpack();
+}
+
+// Note [Hooks without pybind11]. Autograd calls pack once per saved tensor: its call path is the forward's hot path.
+// pack_hook/unpack_hook are plain METH_O functions whose self is a capsule of the Session (its context a strong
+// reference to the Python Session object, which keeps it alive), skipping pybind11's overload dispatch and argument
+// casters: about 8,000 instructions per call, measured with perf/bench_record.py --instructions.
+constexpr const char* kSessionCapsule = "tapesac.Session";
+
+Session& session_of(PyObject* self) { return *static_cast<Session*>(PyCapsule_GetPointer(self, kSessionCapsule)); }
+
+PyObject* pack_hook(PyObject* self, PyObject* arg) noexcept {
+  if (!THPVariable_Check(arg)) {
+    PyErr_Format(PyExc_TypeError, "tapesac: pack expected a tensor, got %s", Py_TYPE(arg)->tp_name);
+    return nullptr;
+  }
+  try {
+    return pack(session_of(self), THPVariable_Unpack(arg));
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyObject* unpack_hook(PyObject* /*self*/, PyObject* arg) noexcept {
+  try {
+    return THPVariable_Wrap(unpack(arg));
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyMethodDef g_pack_def = {"tapesac_pack", &pack_hook, METH_O, "tapesac's saved-tensor pack hook"};
+PyMethodDef g_unpack_def = {"tapesac_unpack", &unpack_hook, METH_O, "tapesac's saved-tensor unpack hook"};
+
+void release_session_capsule(PyObject* capsule) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule))); }
+
+// (pack, unpack) for torch.autograd.graph.saved_tensors_hooks, bound to `self`'s Session.
+py::tuple saved_tensor_hooks(const py::object& self) {
+  Session& s = self.cast<Session&>();
+  py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(&s, kSessionCapsule, &release_session_capsule));
+  if (!capsule) throw py::error_already_set();
+  PyCapsule_SetContext(capsule.ptr(), self.inc_ref().ptr());
+  py::object pack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&g_pack_def, capsule.ptr()));
+  py::object unpack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&g_unpack_def, capsule.ptr()));
+  if (!pack_fn || !unpack_fn) throw py::error_already_set();
+  return py::make_tuple(pack_fn, unpack_fn);
 }
 
 void bind_session_step(py::class_<Session>& c) {
@@ -91,8 +141,17 @@ void bind_session_step(py::class_<Session>& c) {
              auto b = s.current_block();
              return b ? b->op_names() : std::vector<std::string>{};
            })
-      .def("pack", &pack, py::arg("tensor"))
-      .def("unpack", [](Session& /*s*/, const py::object& obj) { return unpack(obj); }, py::arg("packed"))
+      .def(
+          "pack",
+          [](Session& s, const at::Tensor& t) {
+            PyObject* r = pack(s, t);
+            if (r == nullptr) throw py::error_already_set();
+            return py::reinterpret_steal<py::object>(r);
+          },
+          py::arg("tensor"))
+      .def("unpack", [](Session& /*s*/, const py::object& obj) { return unpack(obj.ptr()); }, py::arg("packed"))
+      .def("saved_tensor_hooks", &saved_tensor_hooks,
+           "(pack, unpack) for torch.autograd.graph.saved_tensors_hooks, without pybind11 on the hot path")
       .def("shutdown", &Session::shutdown);
 }
 

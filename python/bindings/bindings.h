@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include <pybind11/pybind11.h>
@@ -15,6 +16,9 @@ class Session;
 namespace tapesac::python {
 
 void bind_errors(pybind11::module_& m);
+/// Sets the Python error for a C++ exception as the module's translator would (tapesac::Error -> tapesac.errors'
+/// classes, error_already_set restored, other std::exception -> RuntimeError), for functions bound without pybind11.
+void set_python_error(std::exception_ptr p) noexcept;
 void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
 void bind_allocator(pybind11::module_& m);

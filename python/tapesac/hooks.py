@@ -44,6 +44,7 @@ class StepHooks:
         self._handles: list[Any] = []
         self._open: list[tuple[nn.Module, Any]] = []
         self._thread: int | None = None
+        self._pack, self._unpack = session.saved_tensor_hooks()  # C functions (Note [Hooks without pybind11])
         self.aside_calls = 0  # block calls of this step run untouched under a torch.func transform
 
     def install(self) -> None:
@@ -83,7 +84,7 @@ class StepHooks:
                 self.aside_calls += 1
                 return None
             if session.begin_block(name):
-                hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+                hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 hooks.__enter__()
                 self._open.append((module, hooks))
             return None

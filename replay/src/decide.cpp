@@ -10,10 +10,6 @@ namespace {
 
 using capture::kExternal;
 
-bool rebuildable(const Tape& tape, ValueId v, int32_t state, const std::vector<uint8_t>& available) {
-  return prune(tape, {Read{v, state}}, available).ok;
-}
-
 // Pass 1: values nobody decides on (recording failed, external) are kept; the rest are the decidable values.
 void split_decidable(const DecisionInput& in, KeepDecision& d) {
   const Tape& tape = *in.tape;
@@ -34,7 +30,7 @@ void split_decidable(const DecisionInput& in, KeepDecision& d) {
 }
 
 // Step 1 of the Note: values that cannot be rebuilt are kept, in tape order.
-void find_must_keep(const DecisionInput& in, KeepDecision& d) {
+void find_must_keep(const DecisionInput& in, KeepDecision& d, RebuildCheck& rebuildable) {
   d.must_keep.assign(d.decidable.size(), 0);
   if (in.policy == PolicyKind::kNone && !in.observed) return;
   std::vector<uint8_t> tainted;
@@ -42,7 +38,7 @@ void find_must_keep(const DecisionInput& in, KeepDecision& d) {
   for (size_t i = 0; i < d.decidable.size(); ++i) {
     const ValueId v = d.decidable[i];
     const bool reads_kept_storage = !tainted.empty() && tainted[static_cast<size_t>(v)];
-    if (!reads_kept_storage && rebuildable(*in.tape, v, d.state[static_cast<size_t>(v)], d.available)) continue;
+    if (!reads_kept_storage && rebuildable.ok(Read{v, d.state[static_cast<size_t>(v)]})) continue;
     d.must_keep[i] = 1;
     d.available[static_cast<size_t>(v)] = 1;
   }
@@ -94,7 +90,8 @@ KeepDecision decide_keep(const DecisionInput& in) {
   d.available.assign(n, 0);
   d.state.assign(n, 0);
   split_decidable(in, d);
-  find_must_keep(in, d);
+  RebuildCheck rebuildable(tape, d.available);  // d.available only grows from here on
+  find_must_keep(in, d, rebuildable);
   if (in.want_signature || in.policy == PolicyKind::kPlan) d.signature = tape_signature(tape, d.decidable);
   const bool plan_applies = in.policy == PolicyKind::kPlan && in.plan != nullptr &&
                             in.plan->signature == d.signature && in.plan->keep.size() == d.decidable.size();
@@ -113,7 +110,7 @@ KeepDecision decide_keep(const DecisionInput& in) {
   }
   // Step 3: a dropped value the kept ones cannot rebuild is kept after all.
   for (ValueId v : dropped) {
-    if (!rebuildable(tape, v, d.state[static_cast<size_t>(v)], d.available)) d.force_keep(v);
+    if (!rebuildable.ok(Read{v, d.state[static_cast<size_t>(v)]})) d.force_keep(v);
   }
   return d;
 }

@@ -44,6 +44,30 @@ class Pruner {
     return std::move(result_);
   }
 
+  // One read for RebuildCheck: on success the ops it needed are marked in `verified` (Note [Rebuildable closures
+  // stay rebuildable]) and skipped by later reads; the per-read marks are cleared for the next one.
+  bool check(const Read& r, std::vector<uint8_t>& verified) {
+    verified_ = &verified;
+    read(r.value, r.state, /*content_free=*/false, /*reader=*/-1, /*bytes_read=*/true);
+    drain();
+    const bool ok = result_.ok;
+    walked_ += static_cast<int64_t>(touched_ops_.size());
+    for (OpIndex i : touched_ops_) {
+      if (ok) verified[static_cast<size_t>(i)] = 1;
+      needed_[static_cast<size_t>(i)] = 0;
+    }
+    for (StorageId st : touched_storages_) marked_upto_[static_cast<size_t>(st)] = 0;
+    for (ValueId v : touched_values_) path_live_[static_cast<size_t>(v)] = -1;
+    touched_ops_.clear();
+    touched_storages_.clear();
+    touched_values_.clear();
+    pending_.clear();
+    result_ = PruneResult();
+    return ok;
+  }
+
+  int64_t walked() const { return walked_; }
+
  private:
   void fail(OpIndex op, ValueId v, std::string why) {
     if (!result_.ok) return;
@@ -55,6 +79,7 @@ class Pruner {
 
   void need(OpIndex i) {
     if (i < 0 || needed_[static_cast<size_t>(i)]) return;
+    if (verified_ != nullptr && (*verified_)[static_cast<size_t>(i)] != 0) return;
     const OpRecord& op = tape_.op(i);
     if (op.has(capture::kWritesExternal)) {
       fail(i, -1, "op #" + std::to_string(i) + " (" + op_name(tape_, i) +
@@ -66,6 +91,7 @@ class Pruner {
       return;
     }
     needed_[static_cast<size_t>(i)] = 1;
+    touched_ops_.push_back(i);
     pending_.push_back(i);
   }
 
@@ -74,6 +100,7 @@ class Pruner {
     int8_t& memo = path_live_[static_cast<size_t>(v)];
     if (memo >= 0) return memo != 0;
     memo = 0;  // cycles are impossible (producers precede), but be safe
+    touched_values_.push_back(v);
     const OpIndex p = tape_.value(v).producer;
     bool ok = false;
     if (p != kExternal && tape_.op(p).has(capture::kView)) {
@@ -119,6 +146,7 @@ class Pruner {
       }
     }
     int32_t& upto = marked_upto_[static_cast<size_t>(info.storage)];
+    if (upto == 0 && state > 0) touched_storages_.push_back(info.storage);
     for (int32_t k = upto; k < state; ++k) need(s.writers[static_cast<size_t>(k)]);
     upto = std::max(upto, state);
   }
@@ -139,6 +167,11 @@ class Pruner {
   std::vector<int8_t> path_live_;
   std::vector<OpIndex> pending_;
   PruneResult result_;
+  std::vector<uint8_t>* verified_ = nullptr;  // RebuildCheck's, when checking
+  std::vector<OpIndex> touched_ops_;
+  std::vector<StorageId> touched_storages_;
+  std::vector<ValueId> touched_values_;
+  int64_t walked_ = 0;
 };
 
 }  // namespace
@@ -159,5 +192,21 @@ ReadSource classify_read(const Tape& tape, const std::vector<uint8_t>& available
 PruneResult prune(const Tape& tape, const std::vector<Read>& targets, const std::vector<uint8_t>& available) {
   return Pruner(tape, available).run(targets);
 }
+
+struct RebuildCheck::State {
+  State(const Tape& tape, const std::vector<uint8_t>& available)
+      : pruner(tape, available), verified(tape.ops().size(), 0) {}
+  Pruner pruner;
+  std::vector<uint8_t> verified;  // per op: its whole closure was rebuildable
+};
+
+RebuildCheck::RebuildCheck(const Tape& tape, const std::vector<uint8_t>& available)
+    : state_(std::make_unique<State>(tape, available)) {}
+
+RebuildCheck::~RebuildCheck() = default;
+
+bool RebuildCheck::ok(Read r) { return state_->pruner.check(r, state_->verified); }
+
+int64_t RebuildCheck::ops_walked() const { return state_->pruner.walked(); }
 
 }  // namespace tapesac::replay

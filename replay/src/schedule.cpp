@@ -17,21 +17,6 @@ ForcedSchedule parse_forced_schedule(const std::string& name) {
   return ForcedSchedule::kNone;
 }
 
-int32_t ReplaySchedule::segments() const {
-  if (order.empty()) return 0;
-  return segment_begin.empty() ? 1 : static_cast<int32_t>(segment_begin.size());
-}
-
-std::vector<ValueId> ReplaySchedule::segment(int32_t s) const {
-  const int32_t n = segments();
-  if (s < 0 || s >= n) return {};
-  if (segment_begin.empty()) return order;
-  const auto begin = static_cast<size_t>(segment_begin[static_cast<size_t>(s)]);
-  const size_t end = s + 1 < n ? static_cast<size_t>(segment_begin[static_cast<size_t>(s) + 1]) : order.size();
-  return std::vector<ValueId>(order.begin() + static_cast<std::ptrdiff_t>(begin),
-                              order.begin() + static_cast<std::ptrdiff_t>(std::max(begin, end)));
-}
-
 std::vector<ValueId> guessed_order(const std::vector<ValueId>& saved) {
   std::vector<ValueId> order;
   std::vector<uint8_t> seen;

@@ -27,6 +27,11 @@ forward-only step), in the program's step shape; the planned step must be bitwis
 and its memory outcome — within the limit, over it and flagged (`over_limit`), or refused with a MemoryLimitError
 naming the limit — is counted by `tally()` (an unflagged step over the limit is a failure).
 
+Issue 19's replay schedules, from a third RNG of the seed: each program runs under one `Config.schedule`
+("one_segment" the default, "planned", "hold_all", "lazy") and one backend ("eager" or "emulated_graph", the graph
+backend's logic on CPU); "planned" and the emulated graph run warm-up steps first (undone before the compared step:
+Program.warmup_steps), so that the schedules are planned and the graphs captured.
+
 Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
 print it: `print(R.Program.generate(SEED))`.
 """
@@ -307,6 +312,8 @@ _USES_POOL2 = {"transpose_mul_", "addcmul_", "chain_", "where"}
 
 DATA_WRITE_POINTS = ("forward", "backward", "between")
 STEP_SHAPES = ("backward", "retain_twice", "two_losses", "autograd_grad", "grad_then_backward")
+SCHEDULES = ("one_segment", "planned", "hold_all", "lazy")  # Config.schedule
+BACKENDS = ("eager", "emulated_graph")
 TWO_PASS_SHAPES = ("retain_twice", "two_losses", "grad_then_backward")
 
 
@@ -340,6 +347,8 @@ class Program:
     autocast: bool = False  # the forward runs under torch.autocast("cpu", dtype=torch.bfloat16)
     step: str = "backward"  # STEP_SHAPES: how the step's backward runs
     data_writes: tuple[DataWrite, ...] = ()
+    schedule: str = "one_segment"  # SCHEDULES: TapeSAC(schedule=...)
+    backend: str = "eager"  # BACKENDS: TapeSAC(backend=...)
 
     @staticmethod
     def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
@@ -374,7 +383,7 @@ class Program:
                           input_grad=rng.random() < 0.7, contract=rng.choice(["check", "check", "strict", "off"]),
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
-        return program._with_issue18_families()
+        return program._with_issue18_families()._with_issue19_schedules()
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -399,6 +408,19 @@ class Program:
         return dataclasses.replace(self, blocks=tuple(blocks), step=step, data_writes=tuple(writes),
                                    contract=contract)
 
+    def _with_issue19_schedules(self) -> "Program":
+        """Issue 19's replay schedules and the emulated graph backend, from their own RNG (the programs above are
+        unchanged)."""
+        rng = random.Random(f"issue19-{self.seed}")
+        schedule = rng.choices(SCHEDULES, [4, 2, 2, 2])[0]
+        backend = "emulated_graph" if rng.random() < 0.3 else "eager"
+        return dataclasses.replace(self, schedule=schedule, backend=backend)
+
+    def warmup_steps(self) -> int:
+        """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
+        emulated graph captures on a later step than the first."""
+        return 2 if self.backend == "emulated_graph" else 1 if self.schedule == "planned" else 0
+
     def families(self) -> list[str]:
         """The issue 18 families this program belongs to ("plain" when none)."""
         out = []
@@ -415,7 +437,8 @@ class Program:
     def __str__(self) -> str:
         lines = [f"Program(seed={self.seed}, shape[B,T,D]={list(self.shape)}, stem={self.stem}, "
                  f"input_grad={self.input_grad}, contract={self.contract!r}, repeat_first={self.repeat_first}, "
-                 f"tuple_out={self.tuple_out}, autocast={self.autocast}, step={self.step!r})"]
+                 f"tuple_out={self.tuple_out}, autocast={self.autocast}, step={self.step!r}, "
+                 f"schedule={self.schedule!r}, backend={self.backend!r})"]
         for i, blk in enumerate(self.blocks):
             lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
         for w in self.data_writes:
@@ -830,13 +853,24 @@ def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, in
 
 
 def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
+    """The program's step under TapeSAC(policy, program's contract, schedule and backend); the warm-up steps
+    (Program.warmup_steps) run first and are undone (parameters, buffers, gradients, input, RNG), so the step
+    compared starts like the plain run's, with the schedules planned and the graphs captured."""
     import tapesac
 
-    x = make_input(program)
+    initial = copy.deepcopy(model.state_dict()) if program.warmup_steps() else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sac = tapesac.TapeSAC(model, blocks=model.blocks, policy=policy, contract=program.contract)
+        sac = tapesac.TapeSAC(model, blocks=model.blocks, policy=policy, contract=program.contract,
+                              schedule=program.schedule, backend=program.backend)
         try:
+            for _ in range(program.warmup_steps()):
+                torch.manual_seed(RUN_SEED)
+                with sac.step():
+                    run_step(model, program, make_input(program))
+                model.load_state_dict(initial)
+                model.zero_grad(set_to_none=True)
+            x = make_input(program)
             torch.manual_seed(RUN_SEED)
             with sac.step():
                 loss = run_step(model, program, x)
@@ -1004,14 +1038,15 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
 
 
 def tally(seeds: range) -> dict[str, Any]:
-    """Runs check_program over `seeds` and counts, per family (Program.families), the programs, the failures (a
+    """Runs check_program over `seeds` and counts, per family (Program.families, and per schedule and backend:
+    "schedule:lazy", "backend:emulated_graph"), the programs, the failures (a
     gradient differs, or the step raised) and the contract rejections. For reports: `python random_program.py 0 500`."""
     per: dict[str, dict[str, int]] = {}
     totals = {"auto_within_limit": 0, "auto_over_limit": 0, "auto_refused_limit": 0, "auto_refused_at_none_peak": 0}
     failures: list[tuple[int, list[str], str]] = []
     for seed in seeds:
         program = Program.generate(seed)
-        fams = program.families()
+        fams = program.families() + [f"schedule:{program.schedule}", f"backend:{program.backend}"]
         for f in fams:
             per.setdefault(f, {"programs": 0, "failed": 0, "rejected_by_contract": 0, "non_finite": 0,
                                "auto_refused_limit": 0, "auto_refused_at_none_peak": 0,

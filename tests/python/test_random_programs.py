@@ -11,7 +11,8 @@ passes, and step shapes with a second backward (retain_graph), two losses, and t
 a `.data` write may be rejected with ReplayContractError: rejected, never silent). Every program runs under
 policies "full", "none" and a random set of the ops it records, with a random contract ("check", "strict",
 "off"), and is compared with a plain run from the same seed: loss, every parameter gradient, the input gradient,
-buffers and the CPU RNG state after the step, all with torch.equal.
+buffers and the CPU RNG state after the step, all with torch.equal. Each program also draws issue 19's replay
+schedule (Config.schedule: one_segment, planned, hold_all, lazy) and backend (eager or the emulated graph).
 
 Default: 500 programs (seeds 0..499) in chunks of 25. A longer local run: TAPESAC_RANDOM_PROGRAMS=5000.
 A failure message prints the seed, the program and a one-line command that reproduces it.
@@ -47,6 +48,7 @@ def test_random_programs(seeds: range) -> None:
     failures: list[tuple[int, str]] = []
     rejected = []
     replayed: Counter = Counter()
+    followed: Counter = Counter()  # programs whose "full" step followed its schedule / launched its graphs
     for seed in seeds:
         try:
             outcome = R.check_program(seed)
@@ -57,7 +59,12 @@ def test_random_programs(seeds: range) -> None:
             rejected.append(seed)
             continue
         if "full" in outcome.stats:  # absent when a .data write made the contract reject the "full" step
-            replayed.update(outcome.stats["full"].ops_replayed_by_name)
+            st = outcome.stats["full"]
+            replayed.update(st.ops_replayed_by_name)
+            program = outcome.program
+            followed[("segmented", program.schedule)] += any(b.segments > 1 for b in st.blocks)
+            followed[("ran", program.schedule)] += 1
+            followed[("graph", program.backend)] += st.graph_replays > 0
     assert not failures, (
         f"{len(failures)} of {len(seeds)} random programs differ from the plain run (all seeds: "
         f"{[s for s, _ in failures]}). First failures:\n\n" + "\n\n".join(m for _, m in failures[:3]))
@@ -68,6 +75,14 @@ def test_random_programs(seeds: range) -> None:
     assert RANDOM_OPS & set(replayed), f"no random op was replayed in seeds {seeds}: {sorted(replayed)}"
     assert any(n.split(".")[0].endswith("_") for n in replayed), (
         f"no in-place op was replayed in seeds {seeds}: {sorted(replayed)}")
+    # The programs' schedules and backends took effect: per-value schedules split some block's replay, the default
+    # never does; the emulated graph launched, eager never.
+    assert followed[("segmented", "one_segment")] == 0, (seeds, followed)
+    if followed[("ran", "hold_all")] + followed[("ran", "lazy")]:
+        assert followed[("segmented", "hold_all")] + followed[("segmented", "lazy")] > 0, (seeds, followed)
+    assert followed[("graph", "eager")] == 0, (seeds, followed)
+    if any(R.Program.generate(s).backend == "emulated_graph" for s in seeds):
+        assert followed[("graph", "emulated_graph")] > 0, (seeds, followed)
 
 
 def test_generator_covers_every_op_kind() -> None:
@@ -97,6 +112,17 @@ def test_generator_covers_the_issue_18_families() -> None:
     assert targets == {(w, t) for w in R.DATA_WRITE_POINTS for t in ("weight", "input")}, targets
     # A program with a .data write never runs with contract="off" (which preserves nothing by design).
     assert all(p.contract != "off" for p in programs if p.data_writes)
+
+
+def test_generator_covers_the_schedules_and_backends() -> None:
+    """The 500 default programs run under every replay schedule (issue 19) on both backends, often enough to matter,
+    and a program's schedule does not change the program itself (drawn from its own RNG)."""
+    programs = [R.Program.generate(seed) for seed in range(max(N_PROGRAMS, 500))]
+    pairs = Counter((p.schedule, p.backend) for p in programs)
+    for schedule in R.SCHEDULES:
+        for backend in R.BACKENDS:
+            assert pairs[(schedule, backend)] >= 15, f"{schedule}/{backend}: {pairs[(schedule, backend)]} programs"
+    assert {p.warmup_steps() for p in programs} == {0, 1, 2}
 
 
 def test_generator_is_deterministic() -> None:

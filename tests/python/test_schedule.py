@@ -17,6 +17,7 @@ import torch
 
 import models as M
 from conftest import reference_check
+from robust_helpers import assert_no_tapesac_hooks
 from test_reference import MATMULS, scenario
 
 SHAPES = ["hold_all", "lazy"]
@@ -118,7 +119,11 @@ def _steps_under_limit(policy: Any, limit_fraction: float, schedule: str = "one_
         return sac.last_step
 
     model, sac = model_and_steps(policy="full")
-    ref_peak = max(one_step(model, sac).memory.peak_bytes for _ in range(2))
+    try:
+        ref_peak = max(one_step(model, sac).memory.peak_bytes for _ in range(2))
+    finally:
+        sac.close()
+    assert_no_tapesac_hooks(model, "the reference TapeSAC")
     limit = int(ref_peak * limit_fraction)
     model, sac = model_and_steps(policy=policy, memory_limit=limit, schedule=schedule)
     error = None
@@ -127,6 +132,9 @@ def _steps_under_limit(policy: Any, limit_fraction: float, schedule: str = "one_
             one_step(model, sac)
     except tapesac.MemoryLimitError as e:  # raised in a replay, or by the planner after a step (which is recorded)
         error = e
+    finally:
+        sac.close()
+    assert_no_tapesac_hooks(model, "the TapeSAC under the limit")
     return limit, list(sac.history), error
 
 
@@ -163,9 +171,11 @@ def test_a_limit_below_every_schedule_raises_naming_a_peak() -> None:
 
 
 @pytest.mark.parametrize("policy", ["full", pytest.param("auto", marks=pytest.mark.xfail(
-    reason="passed on the schedule branch, fails since the merge with issue 18's (the watcher watches the backward, "
-           "live dropped tensors are served): after step 1 auto's replan margin makes 0.985x the one-segment peak "
-           "infeasible (MemoryLimitError: raise to 1,192,008 bytes, limit 1,161,425); cause not yet found",
+    reason="timing-dependent, on the schedule branch too (1 of 3 runs passed at its merge c66ec29): the plan depends "
+           "on measured op costs, and the sequence model under-predicts plans that keep bytes in a block whose "
+           "backward peaks after its replayed values died (b_i is calibrated on the window's peak less the whole "
+           "ws_i; Note [Backward rest] on branch sched2-levels); step 2 runs over, the replan margin then makes the "
+           "limit infeasible",
     strict=False))])
 def test_planned_schedules_go_below_the_one_segment_peak(policy: str) -> None:
     """A limit 1.5% below the one-segment peak of 'full' (today's floor, also auto's without schedules): with

@@ -684,6 +684,44 @@ struct Reference {
   }
 };
 
+// A random tape of functional ops, views, in-place ops and out= variants over 1-3 externals (with_empty: also
+// empty_like buffers, kUninitialized, that later ops overwrite or read); returns its values.
+std::vector<ValueId> random_tape(TapeBuilder& b, std::mt19937& rng, bool with_empty = false) {
+  std::vector<ValueId> values;
+  const int n_ext = std::uniform_int_distribution<int>(1, 3)(rng);
+  for (int i = 0; i < n_ext; ++i)
+    values.push_back(b.ext());
+  const int n_ops = std::uniform_int_distribution<int>(1, 30)(rng);
+  auto pick = [&] { return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)]; };
+  for (int i = 0; i < n_ops; ++i) {
+    const int kind = std::uniform_int_distribution<int>(0, 99)(rng);
+    if (with_empty && std::bernoulli_distribution(0.08)(rng)) {
+      values.push_back(b.op("aten::empty_like", {pick()}, capture::kUninitialized));
+    } else if (kind < 45) {
+      const uint32_t flags = std::bernoulli_distribution(0.03)(rng) ? kNonReplayable : 0u;
+      const int n_out = std::bernoulli_distribution(0.15)(rng) ? 2 : 1;
+      for (ValueId v : b.multi("aten::f", {pick(), pick()}, n_out, flags))
+        values.push_back(v);
+    } else if (kind < 70) {
+      const int n_out = std::bernoulli_distribution(0.2)(rng) ? 2 : 1;
+      for (ValueId v : b.views("aten::view", pick(), n_out))
+        values.push_back(v);
+    } else if (kind < 90) {
+      // In place, mostly on internal storages (writing an external is kWritesExternal).
+      ValueId target = pick();
+      for (int tries = 0; tries < 3 && b.tape.storage(b.storage(target)).external; ++tries)
+        target = pick();
+      values.push_back(b.inplace("aten::add_", target, {pick()}));
+    } else {
+      ValueId dst = pick();
+      for (int tries = 0; tries < 3 && b.tape.storage(b.storage(dst)).external; ++tries)
+        dst = pick();
+      values.push_back(b.out_variant("aten::mul.out", {pick(), pick()}, dst));
+    }
+  }
+  return values;
+}
+
 TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
   std::mt19937 rng(7);
   int failures = 0;
@@ -691,36 +729,8 @@ TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
   int with_writers = 0;
   for (int round = 0; round < 300; ++round) {
     TapeBuilder b;
-    std::vector<ValueId> values;
-    const int n_ext = std::uniform_int_distribution<int>(1, 3)(rng);
-    for (int i = 0; i < n_ext; ++i)
-      values.push_back(b.ext());
-    const int n_ops = std::uniform_int_distribution<int>(1, 30)(rng);
+    const std::vector<ValueId> values = random_tape(b, rng);
     auto pick = [&] { return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)]; };
-    for (int i = 0; i < n_ops; ++i) {
-      const int kind = std::uniform_int_distribution<int>(0, 99)(rng);
-      if (kind < 45) {
-        const uint32_t flags = std::bernoulli_distribution(0.03)(rng) ? kNonReplayable : 0u;
-        const int n_out = std::bernoulli_distribution(0.15)(rng) ? 2 : 1;
-        for (ValueId v : b.multi("aten::f", {pick(), pick()}, n_out, flags))
-          values.push_back(v);
-      } else if (kind < 70) {
-        const int n_out = std::bernoulli_distribution(0.2)(rng) ? 2 : 1;
-        for (ValueId v : b.views("aten::view", pick(), n_out))
-          values.push_back(v);
-      } else if (kind < 90) {
-        // In place, mostly on internal storages (writing an external is kWritesExternal).
-        ValueId target = pick();
-        for (int tries = 0; tries < 3 && b.tape.storage(b.storage(target)).external; ++tries)
-          target = pick();
-        values.push_back(b.inplace("aten::add_", target, {pick()}));
-      } else {
-        ValueId dst = pick();
-        for (int tries = 0; tries < 3 && b.tape.storage(b.storage(dst)).external; ++tries)
-          dst = pick();
-        values.push_back(b.out_variant("aten::mul.out", {pick(), pick()}, dst));
-      }
-    }
     const std::vector<uint8_t> available = random_available(b.tape, rng, round % 4 == 0 ? 0.0 : 0.3);
     std::vector<Read> targets;
     const int n_targets = std::uniform_int_distribution<int>(1, 3)(rng);
@@ -751,6 +761,46 @@ TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
   EXPECT_GT(successes, 100);
   EXPECT_GT(failures, 10);
   EXPECT_GT(with_writers, 30);
+}
+
+// RebuildCheck answers what prune() answers for each read, while the available set grows between reads as
+// decide_keep grows it (a read that fails is made available, and some others at random): its memo of ops whose
+// closure was rebuildable must never answer for a read prune() refuses, nor refuse one prune() accepts.
+TEST(RebuildCheck, AgreesWithPruneWhileTheAvailableSetGrows) {
+  std::mt19937 rng(11);
+  int refused = 0;
+  int accepted = 0;
+  for (int round = 0; round < 300; ++round) {
+    TapeBuilder b;
+    const std::vector<ValueId> values = random_tape(b, rng, /*with_empty=*/true);
+    std::vector<uint8_t> available = random_available(b.tape, rng, round % 3 == 0 ? 0.0 : 0.2);
+    available.resize(b.tape.values().size(), 0);
+    RebuildCheck check(b.tape, available);
+    for (int k = 0; k < 12; ++k) {
+      const ValueId v = values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
+      const int32_t lo = b.tape.value(v).state;
+      const int32_t hi = b.tape.state_of(b.storage(v));
+      const Read r{v, std::uniform_int_distribution<int32_t>(lo, hi)(rng)};
+      const bool want = prune(b.tape, {r}, available).ok;
+      ASSERT_EQ(check.ok(r), want) << "round " << round << " read " << k << "\n" << b.tape.to_string();
+      (want ? accepted : refused) += 1;
+      if (!want || std::bernoulli_distribution(0.2)(rng)) available[static_cast<size_t>(v)] = 1;
+    }
+  }
+  EXPECT_GT(accepted, 1000);
+  EXPECT_GT(refused, 100);
+}
+
+// The cost decide_keep pays for rebuildability on a long chain (every value saved, as under policy "full"): each op
+// is walked once in all, not once per saved value after it (20,000 ops: 2e4 walks instead of 2e8).
+TEST(RebuildCheck, WalksEachOpOnceOnALongChain) {
+  TapeBuilder b;
+  std::vector<ValueId> chain{b.ext()};
+  for (int i = 0; i < 20000; ++i) chain.push_back(b.op("aten::tanh", {chain.back()}));
+  std::vector<uint8_t> available(b.tape.values().size(), 0);
+  RebuildCheck check(b.tape, available);
+  for (size_t i = 1; i < chain.size(); ++i) ASSERT_TRUE(check.ok(b.now(chain[i])));
+  EXPECT_EQ(check.ops_walked(), 20000);
 }
 
 // predict_working_set(): storages created by replayed ops are alive from their creator to their last reader in

@@ -19,35 +19,24 @@
 #include <cstdint>
 #include <vector>
 
+#include "tapesac/common/schedule_shape.h"
 #include "tapesac/planner/problem.h"
 
 namespace tapesac::planner {
 
-/// How a block's backward uses its dropped values, observed on a measuring step (replay::Session::unpack_orders).
-struct UnpackOrder {
-  /// Value ids in the order of their first unpack.
-  std::vector<int32_t> values;
-  /// Per entry: the index into `values` of the first value first-unpacked after this one's last unpack
-  /// (values.size() or more: alive to the end of the block's backward). Empty: every value lives to the end.
-  std::vector<int32_t> dies_before;
+/// How a block's backward uses its dropped values, observed on a measuring step (replay::Session::unpack_orders; the
+/// values and dies_before of common::UnpackObservation), and which values a replay may hold.
+struct UnpackOrder : common::UnpackObservation {
   /// Per value of the problem: 1 when a replay may hold it (replay::holdable: at its storage's final state). Empty:
   /// every value produced by an op.
   std::vector<uint8_t> holdable;
 };
 
-/// One replay schedule of a keep mask and its model figures (Note [Schedule model]).
-struct ScheduleChoice {
-  /// The dropped candidates' value ids in replay order, and the index of each segment's first value (empty: one
-  /// segment).
-  std::vector<int32_t> order;
-  std::vector<int32_t> segment_begin;
+/// One replay schedule of a keep mask (its shape: the dropped candidates' value ids in replay order, the index of
+/// each segment's first value — empty: one segment — and the holds) and its model figures (Note [Schedule model]).
+struct ScheduleChoice : common::ScheduleShape {
   /// What is held: `value` when a replay of a segment in [from, until) produces it, until segment `until` replayed.
-  struct Hold {
-    int32_t value = -1;
-    int32_t from = 0;
-    int32_t until = 0;
-  };
-  std::vector<Hold> holds;
+  using Hold = common::ScheduleHold;
   double replay_cost_ns = 0;
   /// The most bytes the block's replays hold at once.
   int64_t working_set_bytes = 0;
@@ -55,10 +44,6 @@ struct ScheduleChoice {
   int64_t held_bytes = 0;
   /// The segment whose replay makes working_set_bytes.
   int32_t peak_segment = 0;
-
-  int32_t segments() const {
-    return order.empty() ? 0 : segment_begin.empty() ? 1 : static_cast<int32_t>(segment_begin.size());
-  }
 };
 
 struct ScheduleOptions {

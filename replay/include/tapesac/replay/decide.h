@@ -87,7 +87,7 @@ struct KeepDecision {
   void force_keep(ValueId v);
 };
 
-/// The decision of Note [Keep or drop]. Pure; O(ops) per decidable value for the rebuildability checks.
+/// The decision of Note [Keep or drop]. Pure; the rebuildability checks cost O(ops + reads) in all (RebuildCheck).
 KeepDecision decide_keep(const DecisionInput& in);
 
 /// Values whose rebuild reads a value marked in `seeds` (per value), by forward data flow over the tape: every output

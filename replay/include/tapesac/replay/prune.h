@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,5 +53,28 @@ struct PruneResult {
 /// shorter than the value table (missing entries count as not available, except externals, which are always live).
 /// Pure function; O(ops + reads) per call.
 PruneResult prune(const Tape& tape, const std::vector<Read>& targets, const std::vector<uint8_t>& available);
+
+/// Answers prune(tape, {r}, available).ok for many reads against one `available` vector that only grows between
+/// calls (values are made available, never withdrawn), in O(ops + reads) over all calls instead of O(ops) per call.
+/// Note [Rebuildable closures stay rebuildable]: making a value available only turns replayed reads into live ones,
+/// which cuts a producer closure and never adds to it; so an op whose whole closure was rebuildable once stays so,
+/// and its closure is not walked again. `available` is held by reference: grow it between calls as the caller
+/// decides; shrinking it (or changing `tape`) breaks the contract.
+class RebuildCheck {
+ public:
+  RebuildCheck(const Tape& tape, const std::vector<uint8_t>& available);
+  ~RebuildCheck();
+  RebuildCheck(const RebuildCheck&) = delete;
+  RebuildCheck& operator=(const RebuildCheck&) = delete;
+
+  /// Whether replay can rebuild `r` from the values available now.
+  bool ok(Read r);
+  /// Ops walked over all calls so far (each op at most once per failed read, once in all for accepted ones).
+  int64_t ops_walked() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace tapesac::replay

@@ -27,41 +27,17 @@
 #include <vector>
 
 #include "tapesac/capture/tape.h"
+#include "tapesac/common/schedule_shape.h"
 #include "tapesac/replay/prune.h"
 
 namespace tapesac::replay {
 
-/// How one block call's backward used its dropped values: the order of their first unpacks, and when each was last
-/// unpacked (the planner's input, planner/schedule.h).
-struct UnpackObservation {
-  /// The dropped values in the order of their first unpack (those never unpacked last).
-  std::vector<ValueId> values;
-  /// Per entry: how many first unpacks had happened when the value's last unpack did (values.size() when it was
-  /// never released during the backward).
-  std::vector<int32_t> dies_before;
-};
-
-/// A value that the replay of a segment in [from, until) keeps alive, when it produces it, until segment `until` has
-/// replayed (Note [Replay schedule]). A replay before `from` frees it: the first later segment that needs it
-/// recomputes it.
-struct ScheduleHold {
-  ValueId value = -1;
-  int32_t from = 0;
-  int32_t until = 0;
-};
-
-struct ReplaySchedule {
-  /// The dropped values, in the order their segments replay (the expected first-unpack order).
-  std::vector<ValueId> order;
-  /// Index into `order` of each segment's first value, ascending, starting at 0; empty: one segment.
-  std::vector<int32_t> segment_begin;
-  std::vector<ScheduleHold> holds;
-
-  /// Segments (1 when segment_begin is empty and order is not).
-  int32_t segments() const;
-  /// The values of segment `s`, in order.
-  std::vector<ValueId> segment(int32_t s) const;
-};
+/// How one block call's backward used its dropped values (the planner's input, planner/schedule.h).
+using UnpackObservation = common::UnpackObservation;
+/// A value a segment's replay keeps alive for a later one (Note [Replay schedule]).
+using ScheduleHold = common::ScheduleHold;
+/// The schedule a block call follows: the order, its segments and the holds (the planner's ScheduleChoice is one).
+using ReplaySchedule = common::ScheduleShape;
 
 /// A schedule shape every block call follows whatever its plan says (Session::force_schedule; tests and diagnosis):
 /// kNone (plans, else the default), kOneSegment, kHoldAll (one segment per value, hold_everything) and kLazy (one

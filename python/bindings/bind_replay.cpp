@@ -141,15 +141,6 @@ void bind_session_step(py::class_<Session>& c) {
              auto b = s.current_block();
              return b ? b->op_names() : std::vector<std::string>{};
            })
-      .def(
-          "pack",
-          [](Session& s, const at::Tensor& t) {
-            PyObject* r = pack(s, t);
-            if (r == nullptr) throw py::error_already_set();
-            return py::reinterpret_steal<py::object>(r);
-          },
-          py::arg("tensor"))
-      .def("unpack", [](Session& /*s*/, const py::object& obj) { return unpack(obj.ptr()); }, py::arg("packed"))
       .def("saved_tensor_hooks", &saved_tensor_hooks,
            "(pack, unpack) for torch.autograd.graph.saved_tensors_hooks, without pybind11 on the hot path")
       .def("shutdown", &Session::shutdown);

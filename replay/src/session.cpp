@@ -51,29 +51,29 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   second_backward_started_ = false;
   if (!second_backward_starts_) {
     second_backward_starts_ = [this](BlockCall& caller) {
-      if (second_backward_started_.exchange(true)) return;
-      for (const auto& b : blocks_) {
-        if (b.get() == &caller) {
-          b->note_second_backward_locked();
-        } else {
-          b->note_second_backward();
-        }
-      }
+      once_on_every_call(second_backward_started_, caller, &BlockCall::note_second_backward_locked,
+                         &BlockCall::note_second_backward);
     };
   }
   if (!backward_starts_) {
-    // Once per step, from the unpack that starts the backward (that call's lock held; the others are taken one at
-    // a time: no other call's lock is held while waiting for one).
     backward_starts_ = [this](BlockCall& caller) {
-      if (backward_started_.exchange(true)) return;
-      for (const auto& b : blocks_) {
-        if (b.get() == &caller) {
-          b->refresh_alive_dropped_locked();
-        } else {
-          b->refresh_alive_dropped();
-        }
-      }
+      once_on_every_call(backward_started_, caller, &BlockCall::refresh_alive_dropped_locked,
+                         &BlockCall::refresh_alive_dropped);
     };
+  }
+}
+
+void Session::once_on_every_call(std::atomic<bool>& done, BlockCall& caller, void (BlockCall::*locked)(),
+                                 void (BlockCall::*unlocked)()) {
+  // Once per step, from the unpack that starts it (the caller's lock held; the others are taken one at a time: no
+  // other call's lock is held while waiting for one).
+  if (done.exchange(true)) return;
+  for (const auto& b : blocks_) {
+    if (b.get() == &caller) {
+      (b.get()->*locked)();
+    } else {
+      (b.get()->*unlocked)();
+    }
   }
 }
 

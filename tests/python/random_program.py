@@ -821,8 +821,7 @@ def run_plain(model: nn.Module, program: Program) -> RunResult:
     x = make_input(program)
     torch.manual_seed(RUN_SEED)
     loss = run_step(model, program, x)
-    return RunResult(loss, {n: p.grad for n, p in model.named_parameters()}, x.grad,
-                     {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state())
+    return _run_result(model, loss, x)
 
 
 def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, initial: dict) -> RunResult:
@@ -840,16 +839,10 @@ def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, in
             for _ in range(2):  # the measuring step, then the planned one
                 model.load_state_dict(initial)
                 model.zero_grad(set_to_none=True)
-                x = make_input(program)
-                torch.manual_seed(RUN_SEED)
-                with sac.step():
-                    loss = run_step(model, program, x)
-            stats = sac.last_step
+                loss, x, stats = _compared_step(model, program, sac)
         finally:
             sac.close()
-    return RunResult(loss, {n: p.grad for n, p in model.named_parameters()}, x.grad,
-                     {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state(), stats,
-                     [str(w.message) for w in caught])
+    return _run_result(model, loss, x, stats, caught)
 
 
 def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
@@ -870,16 +863,27 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
                     run_step(model, program, make_input(program))
                 model.load_state_dict(initial)
                 model.zero_grad(set_to_none=True)
-            x = make_input(program)
-            torch.manual_seed(RUN_SEED)
-            with sac.step():
-                loss = run_step(model, program, x)
-            stats = sac.last_step
+            loss, x, stats = _compared_step(model, program, sac)
         finally:
             sac.close()
+    return _run_result(model, loss, x, stats, caught)
+
+
+def _compared_step(model: nn.Module, program: Program, sac: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """One step of the program under `sac` from the run's seed: (loss, input, StepStats)."""
+    x = make_input(program)
+    torch.manual_seed(RUN_SEED)
+    with sac.step():
+        loss = run_step(model, program, x)
+    return loss, x, sac.last_step
+
+
+def _run_result(model: nn.Module, loss: torch.Tensor, x: torch.Tensor, stats: Any = None,
+                caught: list | None = None) -> RunResult:
+    """What a run leaves (read right after its step: the RNG state is the step's end state)."""
     return RunResult(loss, {n: p.grad for n, p in model.named_parameters()}, x.grad,
                      {n: b.clone() for n, b in model.named_buffers()}, torch.get_rng_state(), stats,
-                     [str(w.message) for w in caught])
+                     [str(w.message) for w in caught or []])
 
 
 def _diff(name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> str | None:

@@ -722,6 +722,14 @@ std::vector<ValueId> random_tape(TapeBuilder& b, std::mt19937& rng, bool with_em
   return values;
 }
 
+// One of `values` at any state it existed at: from its own state to its storage's final one.
+Read random_read(const TapeBuilder& b, const std::vector<ValueId>& values, std::mt19937& rng) {
+  const ValueId v = values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
+  const int32_t lo = b.tape.value(v).state;
+  const int32_t hi = b.tape.state_of(b.storage(v));
+  return Read{v, std::uniform_int_distribution<int32_t>(lo, hi)(rng)};
+}
+
 TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
   std::mt19937 rng(7);
   int failures = 0;
@@ -734,13 +742,8 @@ TEST(Prune, MatchesFixpointReferenceOnRandomTapesWithInplaceAndViews) {
     const std::vector<uint8_t> available = random_available(b.tape, rng, round % 4 == 0 ? 0.0 : 0.3);
     std::vector<Read> targets;
     const int n_targets = std::uniform_int_distribution<int>(1, 3)(rng);
-    for (int k = 0; k < n_targets; ++k) {
-      // Any state the value existed at: from its own state to its storage's final one.
-      const ValueId v = pick();
-      const int32_t lo = b.tape.value(v).state;
-      const int32_t hi = b.tape.state_of(b.storage(v));
-      targets.push_back(Read{v, std::uniform_int_distribution<int32_t>(lo, hi)(rng)});
-    }
+    for (int k = 0; k < n_targets; ++k)
+      targets.push_back(random_read(b, values, rng));
     const PruneResult got = prune(b.tape, targets, available);
     const PruneResult want = Reference{b.tape, available}.run(targets);
     ASSERT_EQ(got.ok, want.ok) << "round " << round << ": " << got.reason << "\n" << b.tape.to_string();
@@ -777,10 +780,8 @@ TEST(RebuildCheck, AgreesWithPruneWhileTheAvailableSetGrows) {
     available.resize(b.tape.values().size(), 0);
     RebuildCheck check(b.tape, available);
     for (int k = 0; k < 12; ++k) {
-      const ValueId v = values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
-      const int32_t lo = b.tape.value(v).state;
-      const int32_t hi = b.tape.state_of(b.storage(v));
-      const Read r{v, std::uniform_int_distribution<int32_t>(lo, hi)(rng)};
+      const Read r = random_read(b, values, rng);
+      const ValueId v = r.value;
       const bool want = prune(b.tape, {r}, available).ok;
       ASSERT_EQ(check.ok(r), want) << "round " << round << " read " << k << "\n" << b.tape.to_string();
       (want ? accepted : refused) += 1;

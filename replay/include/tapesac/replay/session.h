@@ -106,6 +106,10 @@ class Session {
   void collect_block_stats() noexcept;
   void remember_order(const BlockCall& b);
   void collect_memory() noexcept;
+  /// The first time `done` is set in a step: `locked` on `caller` (whose lock its unpack holds), `unlocked` on
+  /// every other call of the step.
+  void once_on_every_call(std::atomic<bool>& done, BlockCall& caller, void (BlockCall::*locked)(),
+                          void (BlockCall::*unlocked)());
 
   SessionOptions options_;
   bool in_step_ = false;

@@ -3,6 +3,8 @@
 #include "tapesac/replay/block_call.h"
 
 #include <algorithm>
+#include <limits>
+#include <utility>
 
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
@@ -112,10 +114,15 @@ void BlockCall::release(int32_t slot) noexcept {
   s.tensor.reset();
   if (s.dropped) {
     const ValueId v = s.value;
-    --handles_[v];
-    if (s.last_round != round_ && --remaining_[v] <= 0) note_last_unpack(v);
+    --handles_[static_cast<size_t>(v)];
+    if (s.last_round != round_ && --remaining_[static_cast<size_t>(v)] <= 0) note_last_unpack(v);
   }
   if (--alive_slots_ == 0 && forward_closed_) release_all();
+}
+
+int32_t BlockCall::saved_state(ValueId v) const {
+  TAPESAC_INTERNAL_ASSERT(dropped(v), "block ", name_, ": v", v, " is not a dropped value");
+  return value_state_[static_cast<size_t>(v)];
 }
 
 void BlockCall::release_all() noexcept {
@@ -125,8 +132,8 @@ void BlockCall::release_all() noexcept {
   live_.clear();
   contract_.clear();
   available_.clear();
-  remaining_.clear();
-  handles_.clear();
+  std::fill(remaining_.begin(), remaining_.end(), 0);
+  std::fill(handles_.begin(), handles_.end(), 0);
   recorder_.clear();
 }
 
@@ -195,7 +202,31 @@ KeepDecision BlockCall::decide() {
   }
   in.observed = ctx_.observer != nullptr && static_cast<bool>(*ctx_.observer);
   in.want_signature = in.observed || ctx_.graphs != nullptr;
-  KeepDecision d = decide_keep(in);
+  KeepDecision d;
+  memo_ = nullptr;
+  // Note [Decisions reused]; approximation changes the decision after it is made (prepare_approx), so it decides
+  // afresh.
+  if (ctx_.decisions != nullptr && ctx_.approx == nullptr) {
+    std::vector<int64_t> key;
+    decision_key(in, key);
+    DecisionMemo& m = (*ctx_.decisions)[name_];
+    if (!m.key.empty() && m.key == key) {
+      d = m.decision;
+      closed_stats_.decision_reused = 1;
+    } else {
+      d = decide_keep(in);
+      m.has_needed = false;
+      if (d.policy_failed) {
+        m.key.clear();
+      } else {
+        m.key = std::move(key);
+        m.decision = d;
+      }
+    }
+    if (!m.key.empty()) memo_ = &m;
+  } else {
+    d = decide_keep(in);
+  }
   signature_ = d.signature;
   closed_stats_.planned = d.planned;
   if (d.policy_failed && closed_stats_.capture_error.empty()) {
@@ -237,11 +268,14 @@ void BlockCall::prepare_approx(KeepDecision& d) {
 
 std::vector<Read> BlockCall::drop(const KeepDecision& d) {
   // Kept values are what replay starts from (with the externals); dropping releases the slots' references. Bytes
-  // are counted by unique storage (a storage that a kept tensor still holds is not freed by dropping another view).
+  // are counted by unique storage (a storage that a kept tensor still holds is not freed by dropping another view):
+  // (storage, bytes) pairs are collected, then sorted and counted once each.
   available_ = d.available;
   BlockStats& st = closed_stats_;
-  std::unordered_set<const void*> kept_storages, opaque_storages, dropped_storages;
-  std::vector<uint8_t> served(live_.size(), 0);  // a kept value is read from its first slot's tensor
+  using Counted = std::vector<std::pair<const void*, int64_t>>;
+  Counted kept_storages, opaque_storages, dropped_storages;
+  const size_t n = live_.size();
+  std::vector<uint8_t> served(n, 0);  // a kept value is read from its first slot's tensor
   for (Slot& s : slots_) {
     if (s.released || (s.value >= 0 && d.keep[static_cast<size_t>(s.value)] == 0)) continue;
     if (s.value >= 0 && !served[static_cast<size_t>(s.value)]) {
@@ -251,13 +285,29 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
     const void* key = s.tensor.defined() ? storage_key(s.tensor) : nullptr;
     const bool counted = key != nullptr && ctx_.param_storages->count(key) == 0;
     ++st.kept_tensors;
-    if (s.value < 0) {
-      ++st.opaque_tensors;
-      if (counted && opaque_storages.insert(key).second) st.opaque_bytes += storage_bytes(s.tensor);
-    }
-    if (counted && kept_storages.insert(key).second) st.kept_bytes += storage_bytes(s.tensor);
+    if (s.value < 0) ++st.opaque_tensors;
+    if (!counted) continue;
+    const int64_t bytes = storage_bytes(s.tensor);
+    if (s.value < 0) opaque_storages.emplace_back(key, bytes);
+    kept_storages.emplace_back(key, bytes);
   }
+  auto unique_sorted = [](Counted& c) {
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end(), [](const auto& a, const auto& b) { return a.first == b.first; }), c.end());
+  };
+  auto sum = [](const Counted& c) {
+    int64_t total = 0;
+    for (const auto& [key, bytes] : c) total += bytes;
+    return total;
+  };
+  unique_sorted(kept_storages);
+  unique_sorted(opaque_storages);
+  st.kept_bytes += sum(kept_storages);
+  st.opaque_bytes += sum(opaque_storages);
   std::vector<Read> targets;
+  handles_.assign(n, 0);
+  value_state_.assign(n, -1);
+  dropped_values_.clear();
   for (Slot& s : slots_) {
     if (s.released || s.value < 0 || d.keep[static_cast<size_t>(s.value)] != 0) continue;
     ++st.dropped_tensors;
@@ -268,25 +318,37 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
       s.storage_data = s.tensor.storage().data();
       s.storage_nbytes = s.tensor.storage().nbytes();
       s.storage_weak = s.tensor.storage().getWeakStorageImpl();
+      const bool kept = std::binary_search(kept_storages.begin(), kept_storages.end(), std::make_pair(key, std::numeric_limits<int64_t>::min()),
+                                           [](const auto& a, const auto& b) { return a.first < b.first; });
+      if (!kept) dropped_storages.emplace_back(key, storage_bytes(s.tensor));
     }
-    if (key && !kept_storages.count(key) && dropped_storages.insert(key).second) {
-      st.dropped_bytes += storage_bytes(s.tensor);
-    }
-    if (handles_[s.value]++ == 0) {
+    if (handles_[static_cast<size_t>(s.value)]++ == 0) {
       targets.push_back(Read{s.value, s.state});
+      value_state_[static_cast<size_t>(s.value)] = s.state;
+      dropped_values_.push_back(s.value);
       contract_.remember_bytes(s.value, s.tensor);
     }
     s.tensor.reset();
   }
+  unique_sorted(dropped_storages);
+  st.dropped_bytes += sum(dropped_storages);
+  std::sort(dropped_values_.begin(), dropped_values_.end());
   remaining_ = handles_;
-  value_state_.clear();
-  for (const Read& r : targets) value_state_[r.value] = r.state;
   return targets;
 }
 
 void BlockCall::trim_live(const std::vector<Read>& targets) {
-  // Keep only the live tensors that replay will read.
+  // Keep only the live tensors that replay will read. Which ones follows from the decision (the targets are the
+  // dropped saved values in slot order): a reused decision reuses the answer (Note [Decisions reused]).
   const Tape& tape = recorder_.tape();
+  DecisionMemo* memo = std::exchange(memo_, nullptr);
+  if (memo != nullptr && memo->has_needed && memo->needed.size() == live_.size()) {
+    for (size_t v = 0; v < live_.size(); ++v) {
+      if (!memo->needed[v]) live_[v].reset();
+    }
+    contract_.watch_live(live_, recorder_.take_origins());
+    return;
+  }
   std::vector<uint8_t> needed(live_.size(), 0);
   if (!targets.empty()) {
     const PruneResult all = prune(tape, targets, available_);
@@ -302,6 +364,10 @@ void BlockCall::trim_live(const std::vector<Read>& targets) {
     if (!needed[v]) live_[v].reset();
   }
   contract_.watch_live(live_, recorder_.take_origins());
+  if (memo != nullptr) {
+    memo->needed = std::move(needed);
+    memo->has_needed = true;
+  }
 }
 
 void BlockCall::close_step() noexcept {

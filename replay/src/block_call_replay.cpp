@@ -31,7 +31,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   if (round_ == 0 && storage_alive(s)) alive_at_unpack_.insert(v);  // Note [dropped values alive elsewhere]
   if (at::Tensor alive = still_alive(s); alive.defined()) {  // Note [a dropped tensor still alive]
     slots_[static_cast<size_t>(slot)].last_round = round_;
-    --remaining_[v];
+    --remaining_[static_cast<size_t>(v)];
     return alive;
   }
   if (!cache_.count(v)) replay_for(v);
@@ -39,7 +39,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   TAPESAC_INTERNAL_ASSERT(it != cache_.end(), "replay of block ", name_, " did not rebuild v", v);
   at::Tensor t = it->second;
   slots_[static_cast<size_t>(slot)].last_round = round_;
-  if (--remaining_[v] <= 0) note_last_unpack(v);
+  if (--remaining_[static_cast<size_t>(v)] <= 0) note_last_unpack(v);
   return t;
 }
 
@@ -100,7 +100,7 @@ at::Tensor BlockCall::serve_kept(int32_t slot) {
 }
 
 void BlockCall::replay_for(ValueId wanted) {
-  if (remaining_[wanted] <= 0) {  // a new backward over the same graph (retain_graph=True)
+  if (remaining_[static_cast<size_t>(wanted)] <= 0) {  // a new backward over the same graph (retain_graph=True)
     if (round_ == 0) {  // Note [dropped values alive elsewhere] (block_call.h)
       if (ctx_.memory) second_backward_ns_ = ctx_.memory->elapsed_ns();
       if (ctx_.second_backward_starts != nullptr && *ctx_.second_backward_starts) {
@@ -152,7 +152,7 @@ std::unordered_map<ValueId, at::Tensor> BlockCall::run_replay(SegmentInputs& in,
   if (options_.has_arena() && ctx_.memory && ctx_.memory->device() != nullptr) {
     arena = ctx_.memory->device()->route(options_.arena_device, options_.arena_pool_id);
   }
-  limit_targets(in, Read{wanted, value_state_.at(wanted)});
+  limit_targets(in, Read{wanted, saved_state(wanted)});
   ReplaySource src;
   src.tape = &recorder_.tape();
   src.payloads = &recorder_.payloads();
@@ -186,8 +186,7 @@ void BlockCall::account_replay(int64_t window_start, int64_t allocated_before, i
 void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const std::string& recovered,
                              int64_t replay_ns) {
   for (auto& [value, tensor] : out) {
-    const auto r = remaining_.find(value);
-    if (r == remaining_.end() || r->second <= 0) {  // an intermediate a later segment holds (Note [Replay schedule])
+    if (!dropped(value) || remaining_[static_cast<size_t>(value)] <= 0) {  // an intermediate a later segment holds (Note [Replay schedule])
       held_[value] = std::move(tensor);
       continue;
     }
@@ -216,8 +215,7 @@ void BlockCall::record(ValueId v, const std::string& status, int64_t bytes, int6
   r.block = name_;
   r.value = v;
   if (v >= 0 && static_cast<size_t>(v) < tape.values().size()) {
-    const auto it = value_state_.find(v);
-    const int32_t state = it != value_state_.end() ? it->second : tape.value(v).state;
+    const int32_t state = dropped(v) ? value_state_[static_cast<size_t>(v)] : tape.value(v).state;
     const capture::OpIndex p = tape.bytes_writer(v, state);
     r.op = p >= 0 ? capture::op_kind_name(tape.op(p).kind) : std::string("external");
   }

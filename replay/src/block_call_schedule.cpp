@@ -81,12 +81,11 @@ BlockCall::SegmentInputs BlockCall::segment_inputs(ValueId wanted) {
   const Tape& tape = recorder_.tape();
   SegmentInputs in;
   in.segment = segment_of(wanted);
-  for (const auto& [value, count] : remaining_) {
-    if (count > 0 && !cache_.count(value) && segment_of(value) == in.segment) {
-      in.targets.push_back(Read{value, value_state_.at(value)});
+  for (ValueId value : dropped_values_) {  // ascending
+    if (remaining_[static_cast<size_t>(value)] > 0 && !cache_.count(value) && segment_of(value) == in.segment) {
+      in.targets.push_back(Read{value, value_state_[static_cast<size_t>(value)]});
     }
   }
-  std::sort(in.targets.begin(), in.targets.end(), [](const Read& a, const Read& b) { return a.value < b.value; });
   // Beyond available_, the replay reads live what is held and the rebuilt values still waiting for their unpacks
   // (at their storage's final state only: Note [Replay schedule]).
   in.available = available_;
@@ -99,7 +98,7 @@ BlockCall::SegmentInputs BlockCall::segment_inputs(ValueId wanted) {
   };
   for (const auto& [value, tensor] : held_) add(value, tensor);
   for (const auto& [value, tensor] : cache_) {
-    if (holdable(tape, value) && value_state_.at(value) == tape.value(value).state) add(value, tensor);
+    if (holdable(tape, value) && saved_state(value) == tape.value(value).state) add(value, tensor);
   }
   SegmentReplay sr = plan_segment(tape, in.targets, in.available, hold_from_, hold_until_, in.segment);
   in.plan = std::move(sr.plan);
@@ -211,7 +210,7 @@ UnpackObservation BlockCall::observed_order() const {
   out.values = unpack_order_;
   std::vector<uint8_t> seen(unpacked_);
   for (ValueId v : schedule_.order) {
-    if (static_cast<size_t>(v) < seen.size() && !seen[static_cast<size_t>(v)] && value_state_.count(v)) {
+    if (static_cast<size_t>(v) < seen.size() && !seen[static_cast<size_t>(v)] && dropped(v)) {
       seen[static_cast<size_t>(v)] = 1;
       out.values.push_back(v);
     }

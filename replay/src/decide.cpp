@@ -128,6 +128,69 @@ std::vector<uint8_t> propagate_taint(const Tape& tape, std::vector<uint8_t> tain
   return tainted;
 }
 
+void decision_key(const DecisionInput& in, std::vector<int64_t>& key) {
+  // Note [Decisions reused]. Each variable-length part is preceded by its length, so two different inputs never
+  // flatten to the same words.
+  const Tape& tape = *in.tape;
+  key.clear();
+  key.reserve(16 + 12 * tape.ops().size() + 12 * tape.values().size() + 2 * in.saved.size());
+  auto put = [&key](int64_t x) { key.push_back(x); };
+  put(static_cast<int64_t>(in.policy));
+  put((in.capture_failed ? 1 : 0) | (in.observed ? 2 : 0) | (in.want_signature ? 4 : 0) |
+      (in.plan != nullptr ? 8 : 0) | (in.keep_op ? 16 : 0));
+  if (in.plan != nullptr) {
+    put(static_cast<int64_t>(in.plan->signature));
+    put(static_cast<int64_t>(in.plan->keep.size()));
+    for (uint8_t k : in.plan->keep) put(k);
+  }
+  put(static_cast<int64_t>(in.kept_externals.size()));
+  for (size_t v = 0; v < in.kept_externals.size(); ++v) {
+    if (in.kept_externals[v] != 0) put(static_cast<int64_t>(v));
+  }
+  put(-1);
+  put(static_cast<int64_t>(in.saved.size()));
+  for (const SavedValue& s : in.saved) {
+    put(s.value);
+    put(s.state);
+  }
+  put(static_cast<int64_t>(tape.ops().size()));
+  for (const capture::OpRecord& op : tape.ops()) {
+    put(op.kind);
+    put(op.flags);
+    put(static_cast<int64_t>(op.inputs.size()));
+    for (const capture::ArgRef& a : op.inputs) {
+      put(a.value);
+      put(a.state);
+      put((static_cast<int64_t>(a.arg) << 32) | (static_cast<int64_t>(static_cast<uint16_t>(a.elem)) << 16) |
+          (a.meta_only ? 1 : 0) | (a.overwritten ? 2 : 0));
+    }
+    put(static_cast<int64_t>(op.outputs.size()));
+    for (ValueId v : op.outputs) put(v);
+    put(static_cast<int64_t>(op.writes.size()));
+    for (capture::StorageId st : op.writes) put(st);
+  }
+  put(static_cast<int64_t>(tape.values().size()));
+  for (const capture::ValueInfo& v : tape.values()) {
+    put(v.storage);
+    put(v.producer);
+    put(v.state);
+    const capture::TensorMeta& m = v.meta;
+    put(m.nbytes);
+    put(m.storage_offset);
+    put((static_cast<int64_t>(m.dtype) << 32) | (static_cast<int64_t>(m.device_type) << 16) |
+        static_cast<int64_t>(static_cast<uint16_t>(m.device_index)));
+    put(static_cast<int64_t>(m.sizes.size()));
+    for (int64_t d : m.sizes) put(d);
+    put(static_cast<int64_t>(m.strides.size()));
+    for (int64_t d : m.strides) put(d);
+  }
+  put(static_cast<int64_t>(tape.storages().size()));
+  for (const capture::StorageInfo& st : tape.storages()) {
+    put(st.external ? 1 : 0);
+    put(st.nbytes);
+  }
+}
+
 uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates) {
   // FNV-1a over the structure; sizes included, durations and addresses not.
   common::Fnv64 fnv;

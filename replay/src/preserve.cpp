@@ -173,7 +173,7 @@ std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunc
   if (w == nullptr || w->paused_.load(std::memory_order_relaxed)) return nullptr;
   // Named regions that are not operator calls are transparent: autograd wraps every node of the backward in one
   // ("autograd::engine::evaluate_function: ..."), and a write from a tensor hook runs inside it.
-  if (!fn.operator_name().has_value()) return nullptr;
+  if (!w->operator_call(fn)) return nullptr;
   // Only calls made from user code (depth 0) write "for real": the children of an in-place op are its kernel.
   if (w->depth_ == 0 && !w->busy_) w->see(fn);
   ++w->depth_;
@@ -182,8 +182,21 @@ std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunc
 
 void WriteWatcher::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   WriteWatcher* w = t_watcher;
-  if (!fn.operator_name().has_value()) return;  // not counted on entry
-  if (w != nullptr && w->depth_ > 0) --w->depth_;
+  if (w == nullptr || !w->operator_call(fn)) return;  // not counted on entry
+  if (w->depth_ > 0) --w->depth_;
+}
+
+bool WriteWatcher::operator_call(const at::RecordFunction& fn) {
+  // Note [Operator calls by name]: every call on the thread passes here twice, and RecordFunction::operator_name()
+  // copies the operator's name and overload into strings each time. An operator call's name() is its schema's name
+  // string, alive (at one address) while the operator is registered, so that address identifies an operator; a
+  // named region's name() is a string of its own RecordFunction (its address is reused), so only operators are
+  // cached. Entry and exit of one call answer alike: the cache only grows.
+  const char* name = fn.name();
+  if (operator_names_.count(name) != 0) return true;
+  if (!fn.operator_name().has_value()) return false;
+  operator_names_.insert(name);
+  return true;
 }
 
 void WriteWatcher::see(const at::RecordFunction& fn) {

@@ -121,6 +121,7 @@ BlockContext Session::block_context(const std::string& name) {
   c.observer = &observer_;
   c.plans = &plans_;
   c.orders = &orders_;
+  c.decisions = &decisions_;
   c.approx = approx_.get();
   c.graphs = graphs_.get();
   c.last_peak = last_peak_;

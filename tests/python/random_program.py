@@ -32,6 +32,10 @@ Issue 19's replay schedules, from a third RNG of the seed: each program runs und
 backend's logic on CPU); "planned" and the emulated graph run warm-up steps first (undone before the compared step:
 Program.warmup_steps), so that the schedules are planned and the graphs captured.
 
+Issue 20's decision reuse (Note [Decisions reused]), from a fourth RNG: a program may run one warm-up step (undone)
+before the compared one, on the same input (the compared step reuses the warm-up's keep/drop decisions) or on the
+same values laid out with other strides (the first block's tape differs, so it is decided afresh).
+
 Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
 print it: `print(R.Program.generate(SEED))`.
 """
@@ -313,6 +317,7 @@ _USES_POOL2 = {"transpose_mul_", "addcmul_", "chain_", "where"}
 DATA_WRITE_POINTS = ("forward", "backward", "between")
 STEP_SHAPES = ("backward", "retain_twice", "two_losses", "autograd_grad", "grad_then_backward")
 SCHEDULES = ("one_segment", "planned", "hold_all", "lazy")  # Config.schedule
+WARMUPS = ("none", "same", "strided")  # Program.warmup (issue 20)
 BACKENDS = ("eager", "emulated_graph")
 TWO_PASS_SHAPES = ("retain_twice", "two_losses", "grad_then_backward")
 
@@ -349,6 +354,7 @@ class Program:
     data_writes: tuple[DataWrite, ...] = ()
     schedule: str = "one_segment"  # SCHEDULES: TapeSAC(schedule=...)
     backend: str = "eager"  # BACKENDS: TapeSAC(backend=...)
+    warmup: str = "none"  # WARMUPS: a warm-up step before the compared one (issue 20, Note [Decisions reused])
 
     @staticmethod
     def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
@@ -383,7 +389,7 @@ class Program:
                           input_grad=rng.random() < 0.7, contract=rng.choice(["check", "check", "strict", "off"]),
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
-        return program._with_issue18_families()._with_issue19_schedules()
+        return program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -416,10 +422,18 @@ class Program:
         backend = "emulated_graph" if rng.random() < 0.3 else "eager"
         return dataclasses.replace(self, schedule=schedule, backend=backend)
 
+    def _with_issue20_warmup(self) -> "Program":
+        """Issue 20's decision reuse, from its own RNG: a warm-up step on the same input (the compared step reuses the
+        warm-up's keep/drop decisions) or on the input laid out with other strides (the first block's tape differs:
+        decided afresh)."""
+        rng = random.Random(f"issue20-{self.seed}")
+        return dataclasses.replace(self, warmup=rng.choices(WARMUPS, [5, 3, 2])[0])
+
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
-        emulated graph captures on a later step than the first."""
-        return 2 if self.backend == "emulated_graph" else 1 if self.schedule == "planned" else 0
+        emulated graph captures on a later step than the first; a drawn warm-up (WARMUPS) is at least one step."""
+        steps = 2 if self.backend == "emulated_graph" else 1 if self.schedule == "planned" else 0
+        return max(steps, 0 if self.warmup == "none" else 1)
 
     def families(self) -> list[str]:
         """The issue 18 families this program belongs to ("plain" when none)."""
@@ -438,7 +452,7 @@ class Program:
         lines = [f"Program(seed={self.seed}, shape[B,T,D]={list(self.shape)}, stem={self.stem}, "
                  f"input_grad={self.input_grad}, contract={self.contract!r}, repeat_first={self.repeat_first}, "
                  f"tuple_out={self.tuple_out}, autocast={self.autocast}, step={self.step!r}, "
-                 f"schedule={self.schedule!r}, backend={self.backend!r})"]
+                 f"schedule={self.schedule!r}, backend={self.backend!r}, warmup={self.warmup!r})"]
         for i, blk in enumerate(self.blocks):
             lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
         for w in self.data_writes:
@@ -857,10 +871,13 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
         sac = tapesac.TapeSAC(model, blocks=model.blocks, policy=policy, contract=program.contract,
                               schedule=program.schedule, backend=program.backend)
         try:
-            for _ in range(program.warmup_steps()):
+            for i in range(program.warmup_steps()):
                 torch.manual_seed(RUN_SEED)
+                x = make_input(program)
+                if i == 0 and program.warmup == "strided":  # same values, [B, T, D] viewed from a [T, B, D] tensor
+                    x = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(program.input_grad)
                 with sac.step():
-                    run_step(model, program, make_input(program))
+                    run_step(model, program, x)
                 model.load_state_dict(initial)
                 model.zero_grad(set_to_none=True)
             loss, x, stats = _compared_step(model, program, sac)

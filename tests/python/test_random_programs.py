@@ -123,6 +123,8 @@ def test_generator_covers_the_schedules_and_backends() -> None:
         for backend in R.BACKENDS:
             assert pairs[(schedule, backend)] >= 15, f"{schedule}/{backend}: {pairs[(schedule, backend)]} programs"
     assert {p.warmup_steps() for p in programs} == {0, 1, 2}
+    warmups = Counter(p.warmup for p in programs)
+    assert set(warmups) == set(R.WARMUPS) and min(warmups.values()) >= 50, warmups  # issue 20: decisions reused
 
 
 def test_generator_is_deterministic() -> None:

@@ -370,15 +370,17 @@ def tapesac_auto_at_sac_peak_variants(ctx: Ctx) -> list[Variant]:
 
 
 def tapesac_schedule_variants(ctx: Ctx) -> list[Variant]:
-    """tapesac with replay schedules (Config.schedule): "full" with the lazy shape and with planned schedules (the
-    least predicted peak), and "auto" with planned schedules at 0.9x checkpointing's measured step peak (below the
+    """tapesac with replay schedules (Config.schedule): "full" with the lazy and hold_all shapes and with planned
+    schedules (the least predicted peak), and "auto" with planned schedules at 0.9x checkpointing's measured step peak (below the
     one-segment floor)."""
     lazy = _tapesac_variant(ctx, "tapesac_full_lazy", 'tapesac "full", schedule="lazy"', policy="full",
                             schedule="lazy")
     planned = _tapesac_variant(ctx, "tapesac_full_planned", 'tapesac "full", schedule="planned"', policy="full",
                                schedule="planned")
+    hold_all = _tapesac_variant(ctx, "tapesac_full_hold_all", 'tapesac "full", schedule="hold_all"', policy="full",
+                                schedule="hold_all")
     planned.prime_steps = 2
-    out = [lazy, planned]
+    out = [lazy, hold_all, planned]
     for v in out:
         v.optional = True
     ckpt_peak = ctx.results.get(CKPT, {}).get("peak_bytes")

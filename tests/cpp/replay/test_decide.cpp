@@ -186,5 +186,77 @@ TEST(Decide, TheSignatureFollowsStructureSizesAndCandidates) {
   EXPECT_NE(tape_signature(a.b.tape, {a.mm}), tape_signature(other.tape, {mm}));
 }
 
+
+// Note [Decisions reused]: the key is equal exactly when every input decide_keep() reads is.
+TEST(Decide, TheDecisionKeyIsEqualOnlyForEqualInputs) {
+  auto key = [](const DecisionInput& in) {
+    std::vector<int64_t> k;
+    decision_key(in, k);
+    return k;
+  };
+  Chain a, b;
+  const DecisionInput base = a.input(PolicyKind::kFull);
+  EXPECT_EQ(key(base), key(b.input(PolicyKind::kFull)));  // two tapes built alike
+  EXPECT_EQ(decide_keep(base).keep, decide_keep(b.input(PolicyKind::kFull)).keep);
+
+  std::vector<std::vector<int64_t>> different;
+  DecisionInput in = base;
+  in.policy = PolicyKind::kNone;
+  different.push_back(key(in));
+  in = base;
+  in.saved.pop_back();  // one saved value fewer
+  different.push_back(key(in));
+  in = base;
+  std::swap(in.saved[1], in.saved[2]);  // saved in another order (the drop targets follow it)
+  different.push_back(key(in));
+  in = base;
+  in.saved[1].state += 1;
+  different.push_back(key(in));
+  in = base;
+  in.capture_failed = true;
+  different.push_back(key(in));
+  in = base;
+  in.observed = true;
+  different.push_back(key(in));
+  in = base;
+  in.kept_externals.assign(a.b.tape.values().size(), 0);
+  in.kept_externals[static_cast<size_t>(a.w)] = 1;
+  different.push_back(key(in));
+  BlockPlan plan;
+  plan.signature = 7;
+  plan.keep = {1, 0, 0};
+  in = base;
+  in.policy = PolicyKind::kPlan;
+  in.plan = &plan;
+  different.push_back(key(in));
+  BlockPlan other_mask = plan;
+  other_mask.keep = {0, 1, 0};
+  in.plan = &other_mask;
+  different.push_back(key(in));
+  // The same ops over an input of another size, another layout, or with one op flagged non-replayable.
+  for (int variant = 0; variant < 3; ++variant) {
+    TapeBuilder t;
+    capture::TensorMeta m = meta_of_bytes(variant == 0 ? 2 * kBytes : kBytes);
+    if (variant == 1) {
+      m.sizes = {4, 4};
+      m.strides = {1, 4};  // the same bytes, transposed
+    }
+    const ValueId x = t.tape.add_external_value(t.tape.add_storage(/*external=*/true, m.nbytes), m);
+    const ValueId w = t.ext();
+    const ValueId mm = t.op("aten::mm", {x, w});
+    const ValueId relu = t.op("aten::relu", {mm}, variant == 2 ? kNonReplayable : 0u);
+    const ValueId tanh = t.op("aten::tanh", {relu});
+    DecisionInput o;
+    o.tape = &t.tape;
+    o.policy = PolicyKind::kFull;
+    for (ValueId v : {x, mm, relu, tanh}) o.saved.push_back(saved(t.now(v)));
+    different.push_back(key(o));
+  }
+  for (size_t i = 0; i < different.size(); ++i) {
+    EXPECT_NE(different[i], key(base)) << "variant " << i;
+    for (size_t j = 0; j < i; ++j) EXPECT_NE(different[i], different[j]) << "variants " << j << " and " << i;
+  }
+}
+
 }  // namespace
 }  // namespace tapesac::replay

@@ -56,6 +56,8 @@ struct BlockContext {
   const UnpackOrders* orders = nullptr;
   Approx* approx = nullptr;
   GraphCache* graphs = nullptr;
+  /// The last decision per block name (Note [Decisions reused], decide.h; null: decide every call afresh).
+  DecisionMemos* decisions = nullptr;
   /// The step peak of the previous step (a graph capture must fit on top of it).
   int64_t last_peak = 0;
   /// Ops recorded by the previous call of this block (the recorder pre-sizes its tables from it).
@@ -153,6 +155,7 @@ class BlockCall : public capture::RecorderListener,
 
   // close_forward(), in order.
   void take_recording();
+  /// decide_keep() for this call, or the memo's decision when its key matches (Note [Decisions reused]); sets memo_.
   KeepDecision decide();
   void observe(const KeepDecision& d);
   void prepare_approx(KeepDecision& d);
@@ -233,11 +236,20 @@ class BlockCall : public capture::RecorderListener,
   bool step_closed_ = false;
   std::vector<uint8_t> available_;
   std::vector<at::Tensor> live_;
-  std::unordered_map<capture::ValueId, int32_t> value_state_;
-  // Dropped values: live handles, handles not yet unpacked in this round (a round is one backward over the
-  // graph; retain_graph=True starts another), and replayed tensors waiting for their unpacks.
-  std::unordered_map<capture::ValueId, int32_t> handles_;
-  std::unordered_map<capture::ValueId, int32_t> remaining_;
+  // Per value (indexed by ValueId, sized by drop()): the state a dropped value was saved at, -1 for a value that
+  // was not dropped.
+  std::vector<int32_t> value_state_;
+  bool dropped(ValueId v) const {
+    return v >= 0 && static_cast<size_t>(v) < value_state_.size() && value_state_[static_cast<size_t>(v)] >= 0;
+  }
+  /// The state dropped value `v` was saved at (asserts it is one).
+  int32_t saved_state(ValueId v) const;
+  // The dropped values, ascending.
+  std::vector<capture::ValueId> dropped_values_;
+  // Per value: a dropped value's live handles, and its handles not yet unpacked in this round (a round is one
+  // backward over the graph; retain_graph=True starts another); 0 for the others.
+  std::vector<int32_t> handles_;
+  std::vector<int32_t> remaining_;
   int64_t round_ = 0;
   int64_t alive_slots_ = 0;
   std::unordered_map<capture::ValueId, at::Tensor> cache_;
@@ -245,6 +257,7 @@ class BlockCall : public capture::RecorderListener,
   std::unique_ptr<BlockApprox> approx_;  // null: exact replay
   int64_t replays_ = 0;
   uint64_t signature_ = 0;
+  DecisionMemo* memo_ = nullptr;  // while close_forward() runs: this block name's memo (null: none)
   std::vector<int64_t> graph_op_ns_;         // per tape op, summed over the timed launches
   std::vector<std::string> graph_op_names_;  // op names, taken at the first timed launch (the tape goes at step end)
   // The replay schedule of this call (resolved at close_forward) and its state in the current round.

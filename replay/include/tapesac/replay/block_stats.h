@@ -38,6 +38,8 @@
   X(int64_t, over_limit_bytes, kMax,                                                                                 \
     "by how much memory in use exceeded memory_limit while one of the call's replays ran (the step's figure: by "  \
     "how much its measured peak exceeded the limit; 0: within)")                                                    \
+  X(int64_t, decision_reused, kSum,                                                                                  \
+    "1 when the call reused the keep/drop decision of the block's previous call (identical tape and inputs)")       \
   X(bool, planned, kNone,                                                                                            \
     "the plan was applied (policy 'auto': its keep mask, else the call ran as 'full'; other policies: its replay "  \
     "schedule, else the default one)")                                                                               \

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tapesac/capture/tape.h"
@@ -89,6 +90,29 @@ struct KeepDecision {
 
 /// The decision of Note [Keep or drop]. Pure; the rebuildability checks cost O(ops + reads) in all (RebuildCheck).
 KeepDecision decide_keep(const DecisionInput& in);
+
+/// Note [Decisions reused]. A block whose tape is the same every step gets the same decision every step, and the
+/// rebuildability checks behind it are most of the cost of closing its forward. decision_key() flattens everything
+/// decide_keep() reads — every op (kind, flags, inputs with their states and read kinds, outputs, writes), every
+/// value (storage, producer, state, the whole view), every storage (external, size), the saved values in order,
+/// the policy and its inputs (the plan's signature and mask, the kept external storages, observed, capture failed)
+/// — into words: equal keys are equal inputs, compared word for word (no hash, so no collision). The policy
+/// callable is the one input not in the key: its answers are asked once per op kind per Session (SaveOpCache), so
+/// equal tapes get equal answers; a decision in which it raised is never reused. Reuse is exact by construction:
+/// a block whose tape changes (MoE routing, a new sequence length, a data-dependent branch, autocast toggled)
+/// gets a new key and is decided afresh.
+void decision_key(const DecisionInput& in, std::vector<int64_t>& key);
+
+/// The last decision made for one block name, and what it let the call keep live for replay
+/// (BlockCall::trim_live()).
+struct DecisionMemo {
+  std::vector<int64_t> key;     // decision_key() of the input decided; empty: nothing to reuse
+  KeepDecision decision;
+  std::vector<uint8_t> needed;  // per value: a live tensor replay reads (valid when has_needed)
+  bool has_needed = false;
+};
+/// Per block name (a Session's; its block calls read and write it on the forward thread).
+using DecisionMemos = std::unordered_map<std::string, DecisionMemo>;
 
 /// Values whose rebuild reads a value marked in `seeds` (per value), by forward data flow over the tape: every output
 /// of an op reading a marked value is marked. Over-approximates (an op may not read the bytes).

@@ -40,6 +40,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -133,6 +134,8 @@ class WriteWatcher {
   static void put(const Write& w, at::Tensor& region, const at::Tensor& values);
   void attach();
   void see(const at::RecordFunction& fn);
+  /// True for an operator call, false for a named region (Note [Operator calls by name]). Owner thread only.
+  bool operator_call(const at::RecordFunction& fn);
   void save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg, const at::Tensor& target);
 
   PreserveMode mode_;
@@ -141,6 +144,7 @@ class WriteWatcher {
   std::recursive_mutex swap_mu_;
   std::unordered_map<const void*, std::unique_ptr<Entry>> entries_;
   std::unordered_map<const char*, std::vector<bool>> writes_by_name_;
+  std::unordered_set<const char*> operator_names_;  // see operator_call()
   at::CallbackHandle callback_ = 0;
   std::thread::id owner_;
   std::atomic<bool> paused_{false};

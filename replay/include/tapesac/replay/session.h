@@ -137,6 +137,7 @@ class Session {
   std::unordered_map<std::string, BlockPlan> plans_;
   static constexpr size_t kMaxOrders = 1024;  // signatures whose unpack order is remembered
   UnpackOrders orders_;
+  DecisionMemos decisions_;  // Note [Decisions reused]: the last decision per block name
   TapeObserver observer_;
   std::shared_ptr<Approx> approx_;
   std::shared_ptr<WriteWatcher> watcher_;

@@ -175,6 +175,15 @@ class MemoryMeter:
         return int(self._read()["allocations"])
 
 
+def frozen_from(cls: type, values: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass `cls` (no __post_init__) whose fields are `values` (every field, no other
+    key): what its __init__ builds, without one object.__setattr__ per field. Statistics are built every step, one
+    per block call (issue 20: the step's fixed cost)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
 @dataclass(frozen=True)
 class PhaseMemory:
     """One phase of a step (forward, backward, replay): bytes allocated in it (and still alive at step end), and
@@ -206,8 +215,8 @@ class MemoryStats:
     def from_session(cls, raw: dict[str, Any], device: str, cuda_peak: int | None = None) -> "MemoryStats":
         total = raw["total"]
         phases = {
-            name: PhaseMemory(allocated_bytes=g["allocated"], alive_bytes=g["current"], peak_bytes=g["peak"],
-                              allocations=g["allocations"])
+            name: frozen_from(PhaseMemory, {"allocated_bytes": g["allocated"], "alive_bytes": g["current"],
+                                            "peak_bytes": g["peak"], "allocations": g["allocations"]})
             for name, g in raw["phases"].items()
         }
         baseline = int(raw["baseline_bytes"])
@@ -215,19 +224,19 @@ class MemoryStats:
         peak = baseline + above
         if cuda_peak is not None:  # the caching allocator's own figure is the truth on a device
             peak, above = cuda_peak, max(0, cuda_peak - baseline)
-        return cls(
-            device=device,
-            baseline_bytes=baseline,
-            peak_bytes=peak,
-            peak_above_baseline_bytes=above,
-            allocated_bytes=int(total["allocated"]),
-            end_bytes=int(total["current"]),
-            phases=phases,
-            arena_bytes=int(raw["arena_shared_bytes"]),
-            arena_separate_bytes=int(raw["arena_separate_bytes"]),
-            replay_pieces=int(raw["replay_pieces"]),
-            memory_limit=int(raw["memory_limit"]) or None,
-        )
+        return frozen_from(cls, {
+            "device": device,
+            "baseline_bytes": baseline,
+            "peak_bytes": peak,
+            "peak_above_baseline_bytes": above,
+            "allocated_bytes": int(total["allocated"]),
+            "end_bytes": int(total["current"]),
+            "phases": phases,
+            "arena_bytes": int(raw["arena_shared_bytes"]),
+            "arena_separate_bytes": int(raw["arena_separate_bytes"]),
+            "replay_pieces": int(raw["replay_pieces"]),
+            "memory_limit": int(raw["memory_limit"]) or None,
+        })
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

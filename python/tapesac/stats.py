@@ -14,7 +14,7 @@ from dataclasses import field, make_dataclass
 from typing import Any, Callable
 
 from . import _C
-from .memory import MemoryStats, format_bytes
+from .memory import MemoryStats, format_bytes, frozen_from
 
 __all__ = ["BlockStats", "StepStats", "SCHEMA_VERSION", "block_stats_from", "step_stats_from"]
 
@@ -130,20 +130,35 @@ StepStats.__doc__ = _doc("What one step did: its block calls, its memory, and th
                          _SUMMED, {n: d for n, (_, _, d) in _STEP_EXTRA.items()})
 
 
+_BLOCK_CONVERT = [(py, spec[0], spec[1]) for py, spec in _BLOCK_FIELDS.items()]
+_STEP_FIELD_SET = frozenset(f.name for f in dataclasses.fields(StepStats))
+_SUM_CONVERT = [(py, _BLOCK_FIELDS[py][0], _BLOCK_FIELDS[py][1]) for py in _SUMMED]
+_STEP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StepStats) if f.default is not dataclasses.MISSING}
+_STEP_FACTORIES = {f.name: f.default_factory for f in dataclasses.fields(StepStats)
+                   if f.default_factory is not dataclasses.MISSING}
+
+
 def block_stats_from(raw: dict[str, Any]) -> Any:
     """A BlockStats from the dict the session returns (C++ names and units)."""
-    return BlockStats(**{py: spec[1](raw[spec[0]]) for py, spec in _BLOCK_FIELDS.items()})
+    return frozen_from(BlockStats, {py: conv(raw[name]) for py, name, conv in _BLOCK_CONVERT})
 
 
 def step_stats_from(*, summary: dict[str, Any], blocks: tuple[Any, ...], memory: MemoryStats | None,
                     **extra: Any) -> Any:
     """A StepStats from the session's step summary (C++ totals), the step's BlockStats and the given fields."""
     totals = summary["totals"]
-    sums = {py: _BLOCK_FIELDS[py][1](totals[_BLOCK_FIELDS[py][0]]) for py in _SUMMED}
-    return StepStats(blocks=blocks, memory=memory, block_calls=int(summary["block_calls"]),
-                     over_limit=int(totals["over_limit_bytes"]) > 0,
-                     graph_fallback_reasons=dict(summary["graph_fallback_reasons"]),
-                     record_counts=dict(summary["record_counts"]), op_timing=summary["op_timing"], **sums, **extra)
+    if not _STEP_FIELD_SET.issuperset(extra):
+        raise TypeError(f"step_stats_from: StepStats has no field(s) {sorted(set(extra) - _STEP_FIELD_SET)}")
+    values = dict(_STEP_DEFAULTS)
+    for name, factory in _STEP_FACTORIES.items():
+        values[name] = factory()
+    values.update({py: conv(totals[name]) for py, name, conv in _SUM_CONVERT})
+    values.update(extra)
+    values.update(blocks=blocks, memory=memory, block_calls=int(summary["block_calls"]),
+                  over_limit=int(totals["over_limit_bytes"]) > 0,
+                  graph_fallback_reasons=dict(summary["graph_fallback_reasons"]),
+                  record_counts=dict(summary["record_counts"]), op_timing=summary["op_timing"])
+    return frozen_from(StepStats, values)
 
 
 def as_dict(stats: Any) -> dict[str, Any]:

@@ -55,6 +55,26 @@ def test_step_totals_are_the_sums_over_block_calls(tapesac, policy: str) -> None
         assert st.replays > 0 and st.replay_ms > 0
 
 
+def test_stats_built_each_step_equal_what_their_constructors_build(tapesac) -> None:
+    """The stats are built without the dataclasses' __init__ (memory.frozen_from: a step builds one per block call):
+    every field is set, the objects equal (and hash like) the constructors' and stay frozen."""
+    from tapesac.memory import MemoryStats, PhaseMemory
+
+    st = _run(tapesac, "full")
+
+    def rebuilt(obj):
+        return type(obj)(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+
+    for obj in [st, st.memory, *st.blocks, *st.memory.phases.values()]:
+        assert set(vars(obj)) == {f.name for f in dataclasses.fields(obj)}, type(obj).__name__
+        assert obj == rebuilt(obj) and repr(obj) == repr(rebuilt(obj)), type(obj).__name__
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, dataclasses.fields(obj)[0].name, None)
+    assert isinstance(st.memory, MemoryStats) and all(isinstance(p, PhaseMemory) for p in st.memory.phases.values())
+    assert hash(st.blocks[0]) == hash(rebuilt(st.blocks[0]))
+    assert dataclasses.asdict(st)["blocks"][0]["name"] == st.blocks[0].name
+
+
 def test_str_is_one_short_line_and_repr_has_every_field(tapesac) -> None:
     st = _run(tapesac, "full")
     text = str(st)

@@ -31,6 +31,17 @@ py::dict block_stats_to_dict(const replay::BlockStats& s, bool totals_only = fal
   return d;
 }
 
+/// Every field of `s` in schema order (block_stats_schema()): Python pairs them with the names it read once, so
+/// a step does not build one key string per field per block call.
+py::tuple block_stats_row(const replay::BlockStats& s) {
+  std::vector<py::object> values;
+  values.reserve(64);
+  replay::for_each_block_field(s, [&](const replay::FieldInfo&, const auto& value) { values.push_back(to_py(value)); });
+  py::tuple out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) out[i] = std::move(values[i]);
+  return out;
+}
+
 py::dict summary_to_dict(const replay::StepSummary& s) {
   py::dict d;
   d["totals"] = block_stats_to_dict(s.totals, true);
@@ -111,6 +122,7 @@ void bind_session_results(py::class_<Session>& c) {
   c.def("last_stats", [](const Session& s) { return to_list(s.last_stats(), [](const auto& b) {
            return block_stats_to_dict(b);
          }); })
+      .def("last_stats_rows", [](const Session& s) { return to_list(s.last_stats(), block_stats_row); })
       .def("last_summary", [](const Session& s) { return summary_to_dict(s.last_summary()); })
       .def("last_replayed_by_name", [](const Session& s) { return s.last_replayed_by_name(); })
       .def("last_memory", [](const Session& s, bool timeline) { return memory_to_dict(s.last_memory(), timeline); },

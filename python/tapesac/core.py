@@ -252,7 +252,7 @@ class TapeSAC:
         return self._timeline
 
     def _collect(self, seconds: float) -> StepStats:
-        blocks = tuple(block_stats_from(b) for b in self._session.last_stats())
+        blocks = tuple(block_stats_from(b) for b in self._session.last_stats_rows())
         for b in blocks:
             if b.capture_error:
                 self._once.warning(("capture", b.name, b.capture_error),

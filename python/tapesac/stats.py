@@ -130,7 +130,9 @@ StepStats.__doc__ = _doc("What one step did: its block calls, its memory, and th
                          _SUMMED, {n: d for n, (_, _, d) in _STEP_EXTRA.items()})
 
 
-_BLOCK_CONVERT = [(py, spec[0], spec[1]) for py, spec in _BLOCK_FIELDS.items()]
+# The fields whose C++ value is not already the Python one (units, op times); the others are taken as they are.
+_BLOCK_CONVERTED = [(py, spec[1]) for py, spec in _BLOCK_FIELDS.items() if spec[1] not in (int, bool, str)]
+_BLOCK_NAMES = list(_BLOCK_FIELDS)  # Python names in schema order (the order of Session.last_stats_rows())
 _STEP_FIELD_SET = frozenset(f.name for f in dataclasses.fields(StepStats))
 _SUM_CONVERT = [(py, _BLOCK_FIELDS[py][0], _BLOCK_FIELDS[py][1]) for py in _SUMMED]
 _STEP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StepStats) if f.default is not dataclasses.MISSING}
@@ -138,9 +140,16 @@ _STEP_FACTORIES = {f.name: f.default_factory for f in dataclasses.fields(StepSta
                    if f.default_factory is not dataclasses.MISSING}
 
 
-def block_stats_from(raw: dict[str, Any]) -> Any:
-    """A BlockStats from the dict the session returns (C++ names and units)."""
-    return frozen_from(BlockStats, {py: conv(raw[name]) for py, name, conv in _BLOCK_CONVERT})
+def block_stats_from(raw: dict[str, Any] | tuple[Any, ...]) -> Any:
+    """A BlockStats from what the session returns (C++ names and units): a dict of fields (Session.last_stats()) or
+    a row of values in schema order (Session.last_stats_rows(), what a step uses: no key strings built)."""
+    if isinstance(raw, dict):
+        values = {py: raw[spec[0]] for py, spec in _BLOCK_FIELDS.items()}
+    else:
+        values = dict(zip(_BLOCK_NAMES, raw, strict=True))
+    for py, conv in _BLOCK_CONVERTED:
+        values[py] = conv(values[py])
+    return frozen_from(BlockStats, values)
 
 
 def step_stats_from(*, summary: dict[str, Any], blocks: tuple[Any, ...], memory: MemoryStats | None,

@@ -75,6 +75,27 @@ def test_stats_built_each_step_equal_what_their_constructors_build(tapesac) -> N
     assert dataclasses.asdict(st)["blocks"][0]["name"] == st.blocks[0].name
 
 
+def test_block_stats_from_rows_equal_those_from_dicts(tapesac) -> None:
+    """A step builds its BlockStats from value rows in schema order (Session.last_stats_rows()); they equal those
+    built from the named dicts (Session.last_stats()), units converted alike."""
+    from tapesac.stats import block_stats_from
+
+    model = M.stack(2)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with sac.step():
+            model(M.x_in()).sum().backward()
+        rows, dicts = sac._session.last_stats_rows(), sac._session.last_stats()
+        assert len(rows) == len(dicts) == 2
+        for row, d in zip(rows, dicts):
+            assert len(row) == len(tapesac._C.block_stats_schema())
+            assert block_stats_from(row) == block_stats_from(d)
+            assert block_stats_from(row).replay_ms == d["replay_ns"] * 1e-6 and d["replay_ns"] > 0
+        assert tuple(block_stats_from(r) for r in rows) == sac.last_step.blocks
+    finally:
+        sac.close()
+
+
 def test_str_is_one_short_line_and_repr_has_every_field(tapesac) -> None:
     st = _run(tapesac, "full")
     text = str(st)

@@ -887,18 +887,9 @@ def _run_auto(shape: str, limit: int, steps: int = 4) -> tuple[list[int], Any]:
 
 
 # Issue 18 item 5: the sequence peak model covers these shapes (planner/peak_model.h, Note [Sequence model in unusual
-# steps]; replay/block_call.h, Note [dropped values alive elsewhere]) and no plan is made from a step without a
-# backward (runtime/runtime.cpp).
-# Open: with a retained graph the model counts every call's kept bytes in the first backward's windows; on the double
-# backward it predicts keeping everything at 1,492,876 bytes against 1,443,724 measured (+3.4%, the safe side), so at
-# the no-checkpoint peak the plan drops two values (and stays under the limit). The model before counted only the
-# calls not yet backwarded and predicted 1,230,732 (-14.8%): keep-everything plans ran over limits between the two.
-_DOUBLE_BACKWARD_OPEN = pytest.mark.xfail(reason="keep-everything over-predicted by 3.4% on a double backward",
-                                          strict=False)
-
-
-@pytest.mark.parametrize("shape", [pytest.param(s, marks=_DOUBLE_BACKWARD_OPEN) if s == "double_backward" else s
-                                   for s in AUTO_SHAPES])
+# steps] and Note [Backward levels]; replay/block_call.h, Note [dropped values alive elsewhere]) and no plan is made
+# from a step without a backward (runtime/runtime.cpp).
+@pytest.mark.parametrize("shape", AUTO_SHAPES)
 def test_auto_limit_at_the_no_checkpoint_peak_keeps_everything(shape: str) -> None:
     """Issue 18 item 5: "a limit at or above the no-checkpoint peak keeps everything" must hold in every step shape
     (on main auto refuses some of these with MemoryLimitError although keeping everything fits)."""
@@ -913,17 +904,7 @@ def test_auto_limit_at_the_no_checkpoint_peak_keeps_everything(shape: str) -> No
     assert max(measured[1:]) <= peaks["none"], f"{shape}: peaks {measured} over the limit {peaks['none']}"
 
 
-# Open (timing-dependent: the plan follows the measured op costs): at 0.7 of the way, the first planned step of a
-# graph retained across backwards sometimes runs over the limit, flagged, and the replan brings the next steps under
-# it. 21 runs of this test had 4 such failures; measured ones: retain_graph step 2 691,464 bytes at limit 689,979 (peaks 478,984,
-# 691,464, 610,056, 610,056); double_backward step 2 1,427,340 at limit 1,384,741.
-_RETAINED_FIRST_PLAN_OPEN = pytest.mark.xfail(reason="issue 18 item 5 (open): the first plan of a retained graph at "
-                                              "0.7 of the way sometimes runs one flagged step over", strict=False)
-
-
-@pytest.mark.parametrize("shape,frac", [
-    pytest.param(s, f, marks=_RETAINED_FIRST_PLAN_OPEN) if f == 0.7 and s in ("retain_graph", "double_backward")
-    else (s, f) for f in (0.3, 0.7) for s in AUTO_SHAPES])
+@pytest.mark.parametrize("shape,frac", [(s, f) for f in (0.3, 0.7) for s in AUTO_SHAPES])
 def test_auto_stays_under_the_limit_or_names_a_feasible_one(shape: str, frac: float) -> None:
     """Issue 18 item 5: every step under the user's limit (main: step 2 over by up to 15%), or a MemoryLimitError
     that names the user's limit (not limit - margin) and a smallest feasible limit that then really runs."""

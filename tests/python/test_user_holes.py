@@ -960,36 +960,46 @@ def test_recurrent_block_is_exact(kind: str, policy: str) -> None:
     assert first.dropped_tensors > 0 and first.ops_replayed > 0, f"step 1 dropped or replayed nothing: {first}"
 
 
-# Open: the limit is full's peak measured with the input allocated before the step (_peak), while the steps below
-# allocate it inside the step (+768 bytes): "full" itself peaks at 40,904 bytes in these steps, above the limit, and
-# with the default schedule (one segment) no plan goes lower. Not strict: the figures are a few bytes apart.
-_GRU_LIMIT_OPEN = pytest.mark.xfail(reason="the limit is below what full peaks in this test's own steps (40,904 vs "
-                                    "40,136 bytes: the input is allocated inside the step)", strict=False)
+def _gru_stack() -> nn.Module:
+    return M.Stack([_RNNBlock("gru"), _RNNBlock("gru")])
 
 
-@_GRU_LIMIT_OPEN
-def test_auto_accepts_a_limit_that_full_meets() -> None:
-    """A limit that policy "full" meets (measured) is one "auto" meets too. Fails today on this ~40 KB GRU stack:
-    auto's measuring step peaks above it (40,904 vs 40,136 bytes), keep-everything is predicted at 41,096 (within the
-    planner's tolerance of the limit), the step runs over, and the replan below it finds no plan: MemoryLimitError
-    "raise memory_limit to at least 44,041 bytes" — a figure above what full reaches."""
+def _gru_steps(policy: str, steps: int = 3, **kw: Any) -> list[int]:
+    """Measured peaks of `steps` training steps of the GRU stack under `policy`, each input made inside the step."""
     import tapesac
 
-    make = lambda: M.Stack([_RNNBlock("gru"), _RNNBlock("gru")])  # noqa: E731
-    limit = _peak(make, "full")
     torch.manual_seed(0)
-    model = make()
-    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="auto", memory_limit=limit)
+    model = _gru_stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy, **kw)
     try:
-        for _ in range(3):
+        for _ in range(steps):
             torch.manual_seed(1000)
             with sac.step():
                 model(_x()).square().mean().backward()
             model.zero_grad(set_to_none=True)
-        peaks = [st.memory.peak_bytes for st in sac.history]
-        assert max(peaks[1:]) <= limit, f"planned steps over the limit {limit} that full meets: {peaks}"
+        return [st.memory.peak_bytes for st in sac.history]
     finally:
         sac.close()
+
+
+# Open (issue 18 item 5): full peaks at 40,904 bytes in these steps and keeping everything at 40,968. The sequence
+# model predicts keeping everything at 40,328 (the replay's working set, 8,320 bytes, includes 640 of transients gone
+# when the window peaks), so the first plan keeps everything and step 2 runs 64 bytes over; the replan then holds
+# back a margin below the limit and refuses (MemoryLimitError, "at least 45,577 bytes"). Predicting keep-everything
+# from the window's levels (as Note [Backward levels] does for retained graphs) gives 40,968 exactly, but the
+# keep-everything tolerance (4 KiB) then still keeps everything, and without it the next plan (896 bytes dropped per
+# block) is predicted 40,904 and measures 41,672: a kept 768-byte value outlives the rebuilt one (it stays alive to
+# the window's peak, where the rebuilt copy died at its last unpack).
+_GRU_LIMIT_OPEN = pytest.mark.xfail(reason="keep-everything under-predicted by 640 bytes on the GRU stack; see the "
+                                    "comment above", strict=False)
+
+
+@_GRU_LIMIT_OPEN
+def test_auto_accepts_a_limit_that_full_meets() -> None:
+    """A limit that policy "full" meets (measured, in the very steps auto runs) is one "auto" meets too."""
+    limit = max(_gru_steps("full"))
+    peaks = _gru_steps("auto", memory_limit=limit)
+    assert max(peaks[1:]) <= limit, f"planned steps over the limit {limit} that full meets: {peaks}"
 
 
 _lib = torch.library.Library("tapesac_holes", "FRAGMENT")  # noqa: SIM115 - lives as long as the module

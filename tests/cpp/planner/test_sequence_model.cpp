@@ -185,6 +185,23 @@ TEST(BackwardLevels, ARetainedGraphChargesALateReplayOnTopOfTheGradients) {
   EXPECT_EQ(plain.predict({60}, {40}), 160);  // without a retained graph A dies at its last unpack
 }
 
+// Note [Backward levels] with Note [dropped values alive elsewhere]: in a retained graph's levels too, a dropped value
+// alive anyway is not a replay byte; keeping it costs nothing.
+TEST(BackwardLevels, DroppedValuesAliveAnywayAreNotCountedTwiceInARetainedGraph) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  const std::vector<int64_t> none{0, 0}, ws{50, 60};
+  StepExtras retained;
+  retained.retained = true;
+  const SequencePeakModel r = SequencePeakModel::calibrate(p, none, ws, retained);
+  StepExtras alive = retained;
+  alive.alive_forward = {100, 0};
+  alive.alive_backward = {100, 0};
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, none, ws, alive);
+  ASSERT_EQ(m.backward_levels.size(), 2u);
+  EXPECT_EQ(m.predict({100, 0}, ws), r.predict(none, ws));
+  EXPECT_EQ(r.predict({100, 100}, {0, 0}) - m.predict({100, 100}, {0, 0}), 100);
+}
+
 StepInput step_of(int n_calls, uint64_t seed) {
   testing::RandomOptions o;
   o.n_ops = 25;

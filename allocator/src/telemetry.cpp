@@ -228,7 +228,8 @@ int64_t MemoryCounter::begin_window() noexcept {
 }
 
 void MemoryCounter::record(int64_t bytes) noexcept {
-  TimelinePoint p{now_ns() - start_ns_, bytes, phase()};
+  TimelinePoint p{now_ns() - start_ns_, bytes, phase(),
+                  phases_[static_cast<int>(Phase::kReplay)].current.load(std::memory_order_relaxed)};
   std::lock_guard<std::mutex> lock(timeline_mu_);
   try {
     if (points_.size() >= max_points_) {

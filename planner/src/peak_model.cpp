@@ -33,7 +33,55 @@ std::vector<int64_t> window_peaks(const std::vector<TimedBytes>& timeline, const
   return peaks;
 }
 
+// Per window as in window_peaks: the reduced levels of its points (the last point before it when it has none).
+std::vector<std::vector<RestLevel>> window_levels(const std::vector<TimedBytes>& timeline,
+                                                  const std::vector<int64_t>& begin, int64_t end, int64_t offset) {
+  const size_t n = begin.size();
+  std::vector<std::vector<RestLevel>> out(n);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t hi = k + 1 < n ? begin[k + 1] : end;
+    const TimedBytes* before = nullptr;
+    std::vector<RestLevel> levels;
+    for (const TimedBytes& pt : timeline) {
+      if (pt.t_ns < begin[k]) {
+        before = &pt;
+      } else if (pt.t_ns < hi) {
+        levels.push_back(RestLevel{pt.bytes - pt.replay_bytes + offset, pt.replay_bytes});
+      }
+    }
+    if (levels.empty() && before != nullptr) {
+      levels.push_back(RestLevel{before->bytes - before->replay_bytes + offset, before->replay_bytes});
+    }
+    out[k] = reduce_levels(std::move(levels));
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<RestLevel> reduce_levels(std::vector<RestLevel> levels, size_t max_levels) {
+  std::sort(levels.begin(), levels.end(), [](const RestLevel& a, const RestLevel& b) {
+    return a.rest != b.rest ? a.rest > b.rest : a.replay > b.replay;
+  });
+  std::vector<RestLevel> out;
+  for (const RestLevel& l : levels) {
+    if (out.empty() || l.rest + l.replay > out.back().rest + out.back().replay) out.push_back(l);
+  }
+  max_levels = std::max<size_t>(max_levels, 1);
+  while (out.size() > max_levels) {
+    // Rest descending, rest + replay ascending: a pair merges into its first's rest and its second's total.
+    size_t w = 0;
+    for (size_t i = 0; i < out.size(); i += 2) {
+      if (i + 1 == out.size()) {
+        out[w++] = out[i];
+        break;
+      }
+      out[w++] = RestLevel{out[i].rest, out[i + 1].rest + out[i + 1].replay - out[i].rest};
+    }
+    out.resize(w);
+  }
+  return out;
+}
 
 StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_begin_ns,
                          const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
@@ -65,8 +113,13 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
   std::vector<int64_t> starts;
   for (size_t k : order) starts.push_back(replay_start_ns[k]);
   const std::vector<int64_t> bwd = window_peaks(timeline, starts, end, offset);
+  std::vector<std::vector<RestLevel>> levels = window_levels(timeline, starts, end, offset);
   p.backward_peaks.assign(n, kNone);
-  for (size_t k = 0; k < n; ++k) p.backward_peaks[order[k]] = bwd[k];
+  p.backward_levels.resize(n);
+  for (size_t k = 0; k < n; ++k) {
+    p.backward_peaks[order[k]] = bwd[k];
+    p.backward_levels[order[k]] = std::move(levels[k]);
+  }
 
   auto known = [](int64_t v) { return v != kNone; };
   if (!known(p.tail_peak) || !std::all_of(p.forward_peaks.begin(), p.forward_peaks.end(), known) ||
@@ -98,11 +151,18 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
   int64_t peak = pre;
   int64_t prefix = 0;  // kept bytes of the calls before k
   int64_t holding = 0;  // what the calls up to k hold for their replays
+  const bool levels = retained && backward_levels.size() == kept.size();
+  int64_t rebuilt = std::max<int64_t>(0, levels_all_ref - all);  // Note [Backward levels]
+  for (int64_t w : ws) rebuilt += w;
   for (size_t k = 0; k < kept.size(); ++k) {
     peak = std::max(peak, forward_c[k] + prefix);
     prefix += kept[k];
     holding += held(held_for_replay, keep_all, k, kept[k]);
-    peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
+    if (levels) {
+      for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
+    } else {
+      peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
+    }
     if (k < last_backward_c.size()) peak = std::max(peak, last_backward_c[k] + prefix + holding + ws[k]);
   }
   return std::max(peak, tail_c + prefix + holding);
@@ -144,6 +204,20 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
     }
   }
   m.tail_c = profile.tail_peak - prefix - holding;
+  if (extras.retained && profile.backward_levels.size() == n) {  // Note [Backward levels]
+    // Rebuilt values a later graph held are replay bytes on the timeline, not kept ones.
+    int64_t all_ref = 0;
+    for (size_t k = 0; k < n; ++k) all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
+    m.levels_all_ref = all_ref;
+    m.backward_levels.resize(n);
+    int64_t alive = 0;  // dropped values alive anyway (not replay bytes), calls up to k: as backward_c
+    for (size_t k = 0; k < n; ++k) {
+      alive += extra(extras.alive_backward, k);
+      for (const RestLevel& l : profile.backward_levels[k]) {
+        m.backward_levels[k].push_back(RestLevel{l.rest - all_ref - alive, l.replay});
+      }
+    }
+  }
   m.valid = true;
   return m;
 }

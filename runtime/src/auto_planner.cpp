@@ -309,7 +309,7 @@ planner::StepProfile AutoPlanner::step_profile(planner::StepExtras* extras) cons
   }
   std::vector<planner::TimedBytes> timeline;
   timeline.reserve(m.timeline.size());
-  for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes});
+  for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes});
   if (extras == nullptr || !extras->retained) return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
   // A retained graph (Note [Sequence model in unusual steps]): the first backward's windows end where the second
   // begins; the last backward's start at each call's first replay in it.

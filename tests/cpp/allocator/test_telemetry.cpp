@@ -1,5 +1,6 @@
 // Tests of the counting CPU allocator layer and MemoryCounter (allocator/telemetry.h) with real torch tensors.
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
@@ -160,6 +161,27 @@ TEST(MemoryCounter, TimelineIsBoundedAndKeepsThePeak) {
   for (const auto& p : points) seen = std::max(seen, p.bytes);
   EXPECT_EQ(seen, peak);
   for (size_t i = 1; i < points.size(); ++i) EXPECT_LE(points[i - 1].t_ns, points[i].t_ns);
+}
+
+// The sequence peak model's backward levels (planner/peak_model.h, Note [Backward levels]) read the replays' bytes
+// alive at every point: allocated in the replay phase, freed in whatever phase.
+TEST(MemoryCounter, TimelinePointsCarryTheReplayBytesAlive) {
+  auto counter = std::make_shared<MemoryCounter>(/*timeline_points=*/64);
+  counter->set_phase(Phase::kBackward);
+  counter->on_alloc(100, Phase::kBackward);
+  counter->set_phase(Phase::kReplay);
+  counter->on_alloc(30, Phase::kReplay);
+  counter->set_phase(Phase::kBackward);
+  counter->on_alloc(7, Phase::kBackward);
+  counter->on_free(30, Phase::kReplay);
+  const auto points = counter->timeline();
+  std::vector<int64_t> bytes, replay;
+  for (const auto& p : points) {
+    bytes.push_back(p.bytes);
+    replay.push_back(p.replay_bytes);
+  }
+  EXPECT_EQ(bytes, (std::vector<int64_t>{0, 100, 100, 130, 130, 137, 107}));
+  EXPECT_EQ(replay, (std::vector<int64_t>{0, 0, 0, 30, 30, 30, 0}));
 }
 
 TEST(CountingAllocator, ScopesEndedOutOfOrderLeaveNoDanglingCounter) {

@@ -119,6 +119,89 @@ TEST(SequencePeakModel, InputsHeldForTheReplayAreFreedWhenNothingReplays) {
   EXPECT_EQ(m.predict({90, 100}, {10, 0}), plain.predict({90, 100}, {10, 0}));
 }
 
+// Note [Backward levels]: the levels that bound max over levels of rest + min(k, replay) for every k.
+TEST(BackwardLevels, ReduceKeepsTheUndominatedLevelsAndNeverLowersTheMaximum) {
+  const std::vector<RestLevel> raw{{10, 5}, {8, 20}, {9, 1}, {3, 30}, {8, 2}, {1, 1}};
+  const std::vector<RestLevel> all = reduce_levels(raw);
+  ASSERT_EQ(all.size(), 3u);  // (10, 5), (8, 20), (3, 30): the others are dominated
+  for (int64_t k : {0, 1, 4, 12, 25, 40}) {
+    int64_t want = 0, got = 0, merged = 0;
+    for (const RestLevel& l : raw) want = std::max(want, l.rest + std::min(k, l.replay));
+    for (const RestLevel& l : all) got = std::max(got, l.rest + std::min(k, l.replay));
+    for (const RestLevel& l : reduce_levels(raw, 1)) merged = std::max(merged, l.rest + std::min(k, l.replay));
+    EXPECT_EQ(got, want) << "k=" << k;
+    EXPECT_GE(merged, want) << "k=" << k;
+  }
+}
+
+// Issue 18 item 5, double backward: the window of the call backwarded last peaks after its replay, while a graph
+// the first backward built holds part of every call's rebuilt values (60 of 100 each). The plan that ran is
+// predicted exactly, and keeping everything at the window's rest plus what it keeps — not at the peak less the
+// working set plus what it keeps (20 bytes over; measured 49,152 over on the test's stack).
+TEST(BackwardLevels, ARetainedGraphSubtractsOnlyTheReplayBytesAliveAtThePeak) {
+  // Forwards [10, 20) and [20, 30), the tail to 40, call 1 replays at 40, call 0 at 60, the second backward at 80.
+  const std::vector<TimedBytes> tl{{5, 0, 0},      {15, 50, 0},     {25, 80, 0},     {35, 90, 0},
+                                   {41, 190, 100}, {45, 230, 60},   {61, 330, 160},  {65, 380, 120},
+                                   {70, 420, 120}, {81, 200, 0}};
+  const StepProfile p = profile_step(tl, {10, 20}, {20, 30}, {60, 40}, 1000, /*end_ns=*/80);
+  ASSERT_TRUE(p.valid);
+  EXPECT_EQ(p.backward_peaks, (std::vector<int64_t>{1420, 1230}));
+  StepExtras retained;
+  retained.retained = true;
+  const std::vector<int64_t> none{0, 0}, ws{100, 100};
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, none, ws, retained);
+  ASSERT_TRUE(m.valid);
+  EXPECT_EQ(m.predict(none, ws), 1420);
+  EXPECT_EQ(m.predict({100, 100}, {0, 0}), 1300 + 200);  // rest at the peak (1420 - 120) + everything kept
+  EXPECT_LT(m.predict({100, 100}, {0, 0}), 1420 - 100 + 200);  // what the working-set term predicted
+  // Calibrated on a plan that kept 40 of call 1 (those the graph held: 20 of its rebuilt values remain alive):
+  // the same predictions.
+  const std::vector<TimedBytes> tl2{{5, 0, 0},     {15, 50, 0},    {25, 120, 0},   {35, 130, 0},
+                                    {41, 190, 60}, {45, 230, 20},  {61, 330, 120}, {65, 380, 80},
+                                    {70, 420, 80}, {81, 240, 0}};
+  const StepProfile p2 = profile_step(tl2, {10, 20}, {20, 30}, {60, 40}, 1000, 80);
+  ASSERT_TRUE(p2.valid);
+  const SequencePeakModel m2 = SequencePeakModel::calibrate(p2, {0, 40}, {100, 60}, retained);
+  EXPECT_EQ(m2.predict({0, 40}, {100, 60}), 1420);
+  EXPECT_EQ(m2.predict({100, 100}, {0, 0}), 1500);
+}
+
+// Issue 18 item 5, retain_graph: one call whose values A (60 bytes, unpacked first) and B (40, unpacked later) the
+// measured step both rebuilt at the window's start. A plan keeping A and dropping B replays B late, on top of the
+// gradients the backward allocated meanwhile, while the retained graph keeps A alive: the working-set model put that
+// plan at the measured peak (60 under); the levels put it at the late moment's rest plus A plus B.
+TEST(BackwardLevels, ARetainedGraphChargesALateReplayOnTopOfTheGradients) {
+  const std::vector<TimedBytes> tl{{5, 0, 0},      {15, 100, 0},   {25, 0, 0},     {41, 100, 100},
+                                   {45, 150, 100}, {50, 90, 40},   {55, 160, 40},  {60, 120, 0}};
+  const StepProfile p = profile_step(tl, {10}, {20}, {40}, 0);
+  ASSERT_TRUE(p.valid);
+  StepExtras retained;
+  retained.retained = true;
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, {0}, {100}, retained);
+  EXPECT_EQ(m.predict({0}, {100}), 160);
+  EXPECT_EQ(m.predict({60}, {40}), 120 + 60 + 40);
+  EXPECT_EQ(m.predict({100}, {0}), 120 + 100);
+  const SequencePeakModel plain = SequencePeakModel::calibrate(p, {0}, {100});
+  EXPECT_EQ(plain.predict({60}, {40}), 160);  // without a retained graph A dies at its last unpack
+}
+
+// Note [Backward levels] with Note [dropped values alive elsewhere]: in a retained graph's levels too, a dropped value
+// alive anyway is not a replay byte; keeping it costs nothing.
+TEST(BackwardLevels, DroppedValuesAliveAnywayAreNotCountedTwiceInARetainedGraph) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  const std::vector<int64_t> none{0, 0}, ws{50, 60};
+  StepExtras retained;
+  retained.retained = true;
+  const SequencePeakModel r = SequencePeakModel::calibrate(p, none, ws, retained);
+  StepExtras alive = retained;
+  alive.alive_forward = {100, 0};
+  alive.alive_backward = {100, 0};
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, none, ws, alive);
+  ASSERT_EQ(m.backward_levels.size(), 2u);
+  EXPECT_EQ(m.predict({100, 0}, ws), r.predict(none, ws));
+  EXPECT_EQ(r.predict({100, 100}, {0, 0}) - m.predict({100, 100}, {0, 0}), 100);
+}
+
 StepInput step_of(int n_calls, uint64_t seed) {
   testing::RandomOptions o;
   o.n_ops = 25;

@@ -15,8 +15,8 @@
 //    counted allocation in a sharded table (one lock and one hash-map entry per counted allocation).
 //  * Each counter tracks gauges per phase (forward, backward, replay): bytes allocated in the phase, the
 //    counter's peak while in the phase, and bytes allocated in the phase still alive. With a timeline enabled
-//    it also keeps (time, bytes, phase) points, bounded: when full, adjacent pairs are merged keeping the
-//    larger value, so the peak is never lost.
+//    it also keeps (time, bytes, phase, replay bytes alive) points, bounded: when full, adjacent pairs are
+//    merged keeping the point of the larger value, so the peak is never lost.
 //  * Thread-safe: gauges are atomics; the timeline has a mutex (taken only when a timeline is enabled).
 #pragma once
 
@@ -45,6 +45,7 @@ struct TimelinePoint {
   int64_t t_ns = 0;   // since the counter was created
   int64_t bytes = 0;  // the counter's current bytes after the event
   Phase phase = Phase::kForward;
+  int64_t replay_bytes = 0;  // of `bytes`, those allocated in the replay phase and still alive (rebuilt values)
 };
 
 class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {

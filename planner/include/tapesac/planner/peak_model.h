@@ -3,6 +3,7 @@
 // optimizer state, activations outside blocks, the forward's transient); it is calibrated from one measured step.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -31,7 +32,21 @@ namespace tapesac::planner {
 struct TimedBytes {
   int64_t t_ns = 0;
   int64_t bytes = 0;
+  /// Of `bytes`, those the replays allocated that are still alive (rebuilt values, transients of a running replay).
+  int64_t replay_bytes = 0;
 };
+
+/// One moment of a backward window (Note [Backward levels]): the bytes in use less the replays' bytes alive
+/// (`rest`), and those replay bytes.
+struct RestLevel {
+  int64_t rest = 0;
+  int64_t replay = 0;
+};
+
+/// The levels that matter for max over levels of rest + min(k, replay) at every k >= 0, at most `max_levels` (>= 1)
+/// of them: the undominated ones (a level is dominated by one with no less rest and no less rest + replay), adjacent
+/// ones merged into one that dominates both while too many (so the maximum is never lowered). Rest descending.
+std::vector<RestLevel> reduce_levels(std::vector<RestLevel> levels, size_t max_levels = 32);
 
 /// Where a measured step's memory peaks, per window of the step. Forward window k runs from the start of call k's
 /// forward to the start of the next call's (the last one to the end of its forward); the tail from there to the
@@ -44,6 +59,8 @@ struct StepProfile {
   std::vector<int64_t> forward_peaks;   // per block call, in forward order
   int64_t tail_peak = 0;
   std::vector<int64_t> backward_peaks;  // per block call, in forward order
+  /// Per block call, in forward order: its backward window's levels (reduce_levels; Note [Backward levels]).
+  std::vector<std::vector<RestLevel>> backward_levels;
 };
 
 /// The profile of a timeline given each call's forward span and first replay start (forward order; a replay start
@@ -101,6 +118,26 @@ struct StepExtras {
 ///    began; backward windows up to their call's: alive at their first unpack), so that a plan that keeps them is
 ///    not charged twice. The planner keeps them in every later plan (runtime/auto_planner.h): a plan dropping them
 ///    would be predicted to save bytes that dropping does not free.
+///
+/// Note [Backward levels]. In a graph retained across backwards, the windows before the last backward are not
+/// "b_i + sum_j kept_j + ws_i" with the whole working set alive at the window's peak: a kept value stays alive after
+/// its last unpack (the graph keeps it for the next backward), a rebuilt one dies there — or lives on in the graph a
+/// create_graph=True backward built from it, until the next backward consumes that graph. Two errors followed, both
+/// measured: (1) calibration subtracted the whole working set ws_i from a peak at which only part of it was alive
+/// (double backward: the peak lies after the first backward, in the second's pass over the graph the first built,
+/// which holds one rebuilt value of each call and none of the rest), so keeping everything was predicted 49,152
+/// bytes (+3.4%) above its measured peak; (2) which values a plan keeps decides when it replays: keeping the value
+/// the backward unpacks first and dropping a later one puts the later replay on top of the gradients the backward
+/// allocated meanwhile, while the kept value is still alive (retain_graph: predicted 642,184, measured 691,464, for
+/// one of two plans of equal kept bytes and working sets; which one the planner picks follows the measured op costs).
+/// So these windows are predicted from the measured timeline itself: at each moment t of window i, the bytes in use
+/// less the replays' bytes alive (rest(t), less what the plan that ran kept) and those replay bytes p(t). A plan K
+/// keeps all_K (every call's kept bytes, alive through these windows) and has rebuilt at most what the measured step
+/// had rebuilt and still alive then — it replays no earlier, its rebuilt values die no later — and at most the
+/// working sets it replays: bwd_i = max_t rest(t) + all_K + min(sum_j ws_j + dropped_more, p(t)), where dropped_more
+/// is what K keeps less than the plan that ran (values that may then be alive as rebuilt ones whenever p(t) had
+/// none). For the plan that ran this is the measured window exactly; for keeping everything it is max_t rest(t) +
+/// all_K (double backward: equal to the measured no-checkpoint peak).
 struct SequencePeakModel {
   bool valid = false;
   int64_t pre = 0;
@@ -111,6 +148,11 @@ struct SequencePeakModel {
   /// backward over the graph; those of the last (last_backward_c, when measured) are as without.
   bool retained = false;
   std::vector<int64_t> last_backward_c;  // per call, forward order (empty: not measured)
+  /// With `retained`, per call (empty: not measured): the levels of its window before the last backward, rest less
+  /// the kept bytes of the plan that ran (Note [Backward levels]); they replace backward_c there.
+  std::vector<std::vector<RestLevel>> backward_levels;
+  /// The kept bytes (and held for replays) of the plan the levels were measured on, over all calls.
+  int64_t levels_all_ref = 0;
   /// Per call (empty: none): the bytes a plan that replays holds for the replay after the forward (the tail and
   /// the backward windows up to the call's), and the kept bytes of keeping everything (which replays nothing).
   std::vector<int64_t> held_for_replay;

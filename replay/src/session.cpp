@@ -42,7 +42,9 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   memory_ = std::make_shared<StepMemory>(options_.timeline_points, baseline, options_.device_memory);
   counter_scope_.emplace(memory_->counter_ptr());
   if (approx_) approx_->begin_step();
-  if (options_.preserve != PreserveMode::kOff && options_.check_versions) {
+  // Writes are watched for the replays; under policy "none" nothing is dropped, so nothing is ever replayed (and the
+  // watcher's callback would box every op's arguments for nothing).
+  if (options_.preserve != PreserveMode::kOff && options_.check_versions && options_.policy != PolicyKind::kNone) {
     watcher_ = std::make_shared<WriteWatcher>(options_.preserve, preserve_modes_);
     watcher_->install();
   }

@@ -5,7 +5,9 @@
 # - Workloads (each a module whose checkpointed blocks are `blocks.*`):
 #     smallops     one block of --ops tiny ops (mm/add/mul/tanh on --size x --size tensors), so kernel time is
 #                  small and the per-op cost of recording dominates the difference;
-#     qwen3_layer  one tiny Qwen3 decoder layer (tapesac.models.tiny_qwen3, H128) on a short sequence.
+#     qwen3_layer  one tiny Qwen3 decoder layer (tapesac.models.tiny_qwen3, H128) on a short sequence;
+#     blocks       --blocks blocks of (mm, tanh) on --size x --size tensors (not in the default list): the cost per
+#                  block call (module hooks, the block call, its statistics) dominates.
 # - Variants, forward only, autograd on (parameters require grad), each on its own deep copy of the module:
 #     plain        no tapesac;
 #     rec_only     inside tapesac.record_ops(...): the C++ recorder alone (no saved-tensor hooks, nothing
@@ -82,6 +84,30 @@ class SmallOps(nn.Module):
         return h
 
 
+class MmTanh(nn.Module):
+    """One block of two ops: tanh(x @ w)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(size, size) / size**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w)
+
+
+class ManyBlocks(nn.Module):
+    """`n` blocks of MmTanh under `blocks`: the per-block-call cost (hooks, block call, statistics) dominates."""
+
+    def __init__(self, n: int, size: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MmTanh(size) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 class Stack(nn.Module):
     """Holds the checkpointed block(s) under `blocks` and calls them with fixed extra arguments."""
 
@@ -115,7 +141,12 @@ def build_workload(name: str, args: argparse.Namespace) -> tuple[nn.Module, torc
             cos, sin = model.model.rotary_emb(x, position_ids)  # [1, seq, head_dim] each
         mod = Stack(layer, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
         return mod, x, f"Qwen3DecoderLayer H{args.hidden}, batch {args.batch} x seq {args.seq} fp32, sdpa"
-    raise SystemExit(f"unknown workload {name!r}; expected one of smallops, qwen3_layer")
+    if name == "blocks":
+        torch.manual_seed(0)
+        mod = ManyBlocks(args.blocks, args.size)
+        x = torch.randn(args.size, args.size, generator=g)
+        return mod, x, f"{args.blocks} blocks of (mm, tanh) on {args.size}x{args.size} fp32"
+    raise SystemExit(f"unknown workload {name!r}; expected one of smallops, qwen3_layer, blocks")
 
 
 class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
@@ -398,7 +429,9 @@ def print_instructions(results: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Per-op cost of tapesac's tape recording (CPU, forward only).")
-    p.add_argument("--workloads", default="smallops,qwen3_layer", help="comma-separated: smallops,qwen3_layer")
+    p.add_argument("--workloads", default="smallops,qwen3_layer",
+                   help="comma-separated: smallops,qwen3_layer,blocks (--blocks blocks of 2 ops: the per-block cost)")
+    p.add_argument("--blocks", type=int, default=48, help="blocks of the 'blocks' workload")
     p.add_argument("--variants", default="plain,rec_only,sac_none,sac_full,py_hooks,py_mode",
                    help="comma-separated, plain first: plain,rec_only,sac_none,sac_full,py_hooks,py_mode")
     p.add_argument("--ops", type=int, default=200, help="smallops: ops per forward (default 200)")

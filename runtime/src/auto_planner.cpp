@@ -73,10 +73,12 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   const bool use_seq = options_.sequence_model && seq_.valid;
   // Keeping everything is one plan whose peak the last step's timeline bounds directly (Note [Keep-everything
   // ceiling]); with fixed masks it is not a choice.
-  // The model's byte-accounting tolerance applies to it as to the models' figures (planner::plan_step).
+  // Its figures are the allocator's but for the dropped bytes (tensor bytes): a limit within a few bytes per call
+  // below it still keeps everything (AutoPlannerOptions::ceiling_slack_per_call).
   const int64_t ceiling = options_.fixed_masks ? INT64_MAX : keep_all_ceiling(prep, measured_peak);
   const bool ceiling_fits =
-      ceiling != INT64_MAX && limit >= ceiling - planner::keep_everything_tolerance(ceiling);
+      ceiling != INT64_MAX &&
+      limit >= ceiling - options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
   planner::StepPlan plan;
   try {
     plan = plan_step(prep.input, use_seq, model, limit);

@@ -59,6 +59,10 @@ struct AutoPlannerOptions {
   /// Fixed masks without a limit: the schedules may keep the predicted peak this fraction above the least one any
   /// schedules reach, at less replay time (planner::plan_schedules).
   double least_peak_slack = 0.02;
+  /// A limit this many bytes per block call below the keep-everything ceiling (Note [Keep-everything ceiling] in
+  /// planner/peak_model.h) still keeps everything: the ceiling counts the dropped values in tensor bytes, the
+  /// allocator its allocations (the random programs refused at their no-checkpoint peak: 8 to 24 bytes above it).
+  int64_t ceiling_slack_per_call = 64;
 };
 
 /// The message of an infeasible limit: the user's limit, the smallest feasible step peak and what it is made of, and

@@ -152,7 +152,9 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   timeline.reserve(m.timeline.size());
   for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes});
   const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline);
-  return ceiling == INT64_MAX ? ceiling : std::max(ceiling, measured_peak);
+  // A step that dropped nothing kept everything: its measured peak (the timeline's points may miss it).
+  const bool kept_all = std::all_of(dropped.begin(), dropped.end(), [](int64_t b) { return b == 0; });
+  return kept_all && ceiling != INT64_MAX ? std::max(ceiling, measured_peak) : ceiling;
 }
 
 /// Installs `plan` in the session (one BlockPlan per call name: its keep mask and replay schedule) and returns its

@@ -137,7 +137,8 @@ class AutoPlanner {
   planner::StepPlan plan_step(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
                               int64_t limit) const;
   /// The keep-everything ceiling of the last step (planner::keep_all_ceiling; Note [Keep-everything ceiling] in
-  /// planner/peak_model.h), at least its measured peak; INT64_MAX when its spans do not say when calls ran.
+  /// planner/peak_model.h; a step that kept everything: its measured peak); INT64_MAX when its spans do not say
+  /// when calls ran.
   int64_t keep_all_ceiling(const Prepared& prep, int64_t measured_peak) const;
   PlanInfo install(const planner::StepPlan& plan, const planner::StepInput& input);
   void observe(const replay::BlockTapeView& view);

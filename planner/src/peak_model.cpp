@@ -83,6 +83,30 @@ std::vector<RestLevel> reduce_levels(std::vector<RestLevel> levels, size_t max_l
   return out;
 }
 
+int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
+                         const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
+                         int64_t offset) {
+  const size_t n = forward_end_ns.size();
+  if (timeline.empty() || release_ns.size() != n || dropped_bytes.size() != n) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  int64_t ceiling = std::numeric_limits<int64_t>::min();
+  for (const TimedBytes& pt : timeline) {
+    int64_t pending = 0;
+    int64_t rebuilt = 0;  // dropped bytes of the calls whose last replay has begun: the most of them still alive
+    for (size_t k = 0; k < n; ++k) {
+      const bool released = release_ns[k] >= 0 && pt.t_ns >= release_ns[k];
+      if (released) {
+        rebuilt += dropped_bytes[k];
+      } else if (pt.t_ns >= forward_end_ns[k]) {
+        pending += dropped_bytes[k];
+      }
+    }
+    ceiling = std::max(ceiling, pt.bytes - pt.replay_bytes + std::min(pt.replay_bytes, rebuilt) + offset + pending);
+  }
+  return ceiling;
+}
+
 StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_begin_ns,
                          const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
                          int64_t offset, int64_t end_ns) {
@@ -165,7 +189,7 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
     }
     if (k < last_backward_c.size()) peak = std::max(peak, last_backward_c[k] + prefix + holding + ws[k]);
   }
-  return std::max(peak, tail_c + prefix + holding);
+  return std::max(peak, tail_c + prefix + holding) + baseline_shift;
 }
 
 SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const std::vector<int64_t>& kept_ref,

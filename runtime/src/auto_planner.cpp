@@ -61,18 +61,47 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   const planner::StepProfile profile = step_profile(&extras);
   const planner::SequencePeakModel seq =
       planner::SequencePeakModel::calibrate(profile, prep.kept_ref, prep.ws_ref, extras);
+  const int64_t baseline = session_.last_memory().baseline;
   if (seq.valid) {
     seq_ = seq;
+    seq_baseline_ = baseline;
   } else if (seq_.backward_c.size() != calls_.size()) {
     seq_ = planner::SequencePeakModel{};
+  } else {
+    seq_.baseline_shift = baseline - seq_baseline_;
   }
   const bool use_seq = options_.sequence_model && seq_.valid;
+  // Keeping everything is one plan whose peak the last step's timeline bounds directly (Note [Keep-everything
+  // ceiling]); with fixed masks it is not a choice.
+  // Its figures are the allocator's but for the dropped bytes (tensor bytes): a limit within a few bytes per call
+  // below it still keeps everything (AutoPlannerOptions::ceiling_slack_per_call).
+  const int64_t ceiling = options_.fixed_masks ? INT64_MAX : keep_all_ceiling(prep, measured_peak);
+  const bool ceiling_fits =
+      ceiling != INT64_MAX &&
+      limit >= ceiling - options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
   planner::StepPlan plan;
   try {
     plan = plan_step(prep.input, use_seq, model, limit);
   } catch (const planner::InfeasibleLimitError& e) {
-    throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes(), margin_bytes));
+    if (!ceiling_fits) {
+      throw Error(ErrorKind::kMemoryLimit,
+                  infeasible_limit_message(limit, std::min(e.smallest_feasible_bytes(), ceiling), margin_bytes));
+    }
+    plan.min_feasible_peak_bytes = e.smallest_feasible_bytes();
+    plan.keep_all_peak_bytes = ceiling;
   }
+  if (ceiling_fits && !plan.keeps_everything) {
+    planner::StepPlan all = planner::plan_step(prep.input, planner::PeakModel{0}, INT64_MAX);
+    all.keeps_everything = true;
+    all.predicted_peak_bytes = ceiling;
+    all.min_feasible_peak_bytes = plan.min_feasible_peak_bytes;
+    all.keep_all_peak_bytes = plan.keep_all_peak_bytes;
+    plan = std::move(all);
+  } else if (plan.keeps_everything) {
+    plan.predicted_peak_bytes = std::min(plan.predicted_peak_bytes, ceiling);
+  }
+  plan.keep_all_peak_bytes = std::min(plan.keep_all_peak_bytes, ceiling);
+  plan.min_feasible_peak_bytes = std::min(plan.min_feasible_peak_bytes, ceiling);
   PlanInfo out = install(plan, prep.input);
   last_model_ = model;
   last_input_ = prep.input;
@@ -94,6 +123,38 @@ planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool s
                     : planner::plan_schedules(input, model, limit, slack);
   }
   return sequence ? planner::plan_step(input, seq_, limit) : planner::plan_step(input, model, limit);
+}
+
+int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_peak) const {
+  const replay::StepMemoryStats& m = session_.last_memory();
+  // Per name, its forward spans in order (a name called twice: the k-th span is its k-th call) and its last replay.
+  std::unordered_map<std::string, std::vector<int64_t>> forward_ends;
+  std::unordered_map<std::string, int64_t> last_replay;
+  for (const replay::TimelineSpan& sp : m.spans) {
+    if (sp.kind == "forward") forward_ends[sp.block].push_back(sp.end_ns);
+    if (sp.kind == "replay") {
+      auto [it, inserted] = last_replay.emplace(sp.block, sp.begin_ns);
+      if (!inserted) it->second = std::max(it->second, sp.begin_ns);
+    }
+  }
+  std::unordered_map<std::string, size_t> seen;
+  std::vector<int64_t> fwd_end, release, dropped;
+  for (size_t j = 0; j < calls_.size(); ++j) {
+    const std::vector<int64_t>& ends = forward_ends[calls_[j].name];
+    const size_t k = seen[calls_[j].name]++;
+    if (k >= ends.size() || j >= prep.extras.keep_all.size()) return INT64_MAX;
+    fwd_end.push_back(ends[k]);
+    const auto r = last_replay.find(calls_[j].name);
+    release.push_back(r == last_replay.end() ? -1 : r->second);
+    dropped.push_back(std::max<int64_t>(0, prep.extras.keep_all[j] - prep.kept_ref[j]));
+  }
+  std::vector<planner::TimedBytes> timeline;
+  timeline.reserve(m.timeline.size());
+  for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes});
+  const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline);
+  // A step that dropped nothing kept everything: its measured peak (the timeline's points may miss it).
+  const bool kept_all = std::all_of(dropped.begin(), dropped.end(), [](int64_t b) { return b == 0; });
+  return kept_all && ceiling != INT64_MAX ? std::max(ceiling, measured_peak) : ceiling;
 }
 
 /// Installs `plan` in the session (one BlockPlan per call name: its keep mask and replay schedule) and returns its

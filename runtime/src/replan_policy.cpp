@@ -15,7 +15,9 @@ bool ReplanPolicy::recalibrate(const PlanInfo& last, const StepOutcome& step) co
 ReplanDecision ReplanPolicy::decide(const PlanInfo* last, const StepOutcome& step) {
   const int64_t measured = step.measured_peak_bytes;
   // What the peak model missed on the plan that ran: later plans keep that much below the limit.
-  if (last != nullptr) model_error_ = std::max(model_error_, measured - last->predicted_peak_bytes);
+  if (last != nullptr) {
+    model_error_ = std::max(model_error_, measured - step.baseline_growth_bytes - last->predicted_peak_bytes);
+  }
   const bool over = measured > step.limit;
   const bool slack = last != nullptr && recalibrate(*last, step);
   ReplanDecision d;

@@ -60,12 +60,16 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
     return !b.planned && (!fixed_masks_ || b.dropped_tensors > 0);
   });
   // Without a limit (schedules for the least peak) no step is over it.
-  const StepOutcome outcome{limit_ > 0 ? limit_ : INT64_MAX, measured, unplanned};
+  const int64_t baseline = session_.last_memory().baseline;
+  const StepOutcome outcome{limit_ > 0 ? limit_ : INT64_MAX, measured, unplanned,
+                            plan_ ? baseline - plan_baseline_ : 0};
   ReplanDecision d = replan_.decide(plan(), outcome);
   if (!d.replan) return;
   if (limit_ > 0 && measured > limit_ && plan_ && plan_->keeps_everything && !fixed_masks_) {
-    // Kept everything within the planner's tolerance and ran over the limit: the next plan lies below it.
-    const int64_t floor = plan_->predicted_peak_bytes - planner::keep_everything_tolerance(plan_->predicted_peak_bytes);
+    // Kept everything within the planner's tolerance and ran over the limit: the next plan lies below it (the
+    // prediction shifted by the baseline's growth, as the planner's models are).
+    const int64_t predicted = plan_->predicted_peak_bytes + outcome.baseline_growth_bytes;
+    const int64_t floor = predicted - planner::keep_everything_tolerance(predicted);
     d.margin_bytes = std::max(d.margin_bytes, limit_ - floor + 1);
   }
   replay::GraphCache* graphs = session_.graph_cache();
@@ -86,6 +90,7 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   info.after_step = step;
   info.measured_peak_bytes = measured;
   plan_ = std::move(info);
+  plan_baseline_ = baseline;
   plans_.push_back(*plan_);
   plans_.back().calls.clear();
 }

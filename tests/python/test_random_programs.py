@@ -85,6 +85,18 @@ def test_random_programs(seeds: range) -> None:
         assert followed[("graph", "emulated_graph")] > 0, (seeds, followed)
 
 
+@pytest.mark.parametrize("seed", [71, 137, 236])
+def test_auto_keeps_everything_at_the_no_checkpoint_peak(seed: int) -> None:
+    """Issue 18 item 5: a limit at the no-checkpoint peak keeps everything. These programs (11-27 KB) were refused
+    there: both peak models put keeping everything 3-5 KB above it (Note [Keep-everything ceiling])."""
+    program = R.Program.generate(seed)
+    assert R.auto_limit_for(program).frac == 1.0, "the program's auto limit is no longer its no-checkpoint peak"
+    outcome = R.check_program(seed, ["full", "none", "auto"])
+    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
+    st = outcome.stats["auto"]
+    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+
+
 def test_generator_covers_every_op_kind() -> None:
     """The 500 default programs use every op kind of the generator (so the suite tests what it claims)."""
     seen = Counter(k for seed in range(max(N_PROGRAMS, 500)) for k in R.Program.generate(seed).ops())

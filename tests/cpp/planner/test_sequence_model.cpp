@@ -61,6 +61,36 @@ TEST(SequencePeakModel, CalibrationReproducesTheMeasuredPeakAndMovesWithKeptByte
   EXPECT_FALSE(SequencePeakModel::calibrate(StepProfile{}, kept, ws).valid);
 }
 
+// Note [Keep-everything ceiling]: two calls that dropped 40 and 70 bytes, forwards ending at 20 and 30, last replays
+// at 60 (call 0) and 40 (call 1); replay bytes alive at 41, 50 and 61.
+TEST(KeepAllCeiling, AddsWhatThePlanDroppedUntilEachCallsLastReplay) {
+  std::vector<TimedBytes> t = two_call_timeline();
+  t[6].replay_bytes = 300;  // {41, 500}: call 1's replay, 300 of it its transients and rebuilt values
+  t[7].replay_bytes = 20;   // {50, 420}
+  t[8].replay_bytes = 500;  // {61, 610}: call 0's replay
+  const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};
+  // 12: before any forward ended (300). 22, 28: call 0's 40 pending (440, 240). 35: both pending (260 + 110).
+  // 41: call 1 released: 500 - 300 + min(300, 70) + 40 = 310. 50: 420 - 20 + min(20, 70) + 40 = 460. 61: both
+  // released: 610 - 500 + min(500, 110) = 220.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 1000), 1000 + 460);
+  // A step that dropped (and so replayed) nothing: its measured peak.
+  EXPECT_EQ(keep_all_ceiling(two_call_timeline(), fwd_end, release, {0, 0}, 1000), 1610);
+  // A call that never replayed counts its dropped bytes to the end.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, {60, -1}, dropped, 0), 420 - 20 + 0 + 40 + 70);
+  EXPECT_EQ(keep_all_ceiling({}, fwd_end, release, dropped, 0), std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, {60}, dropped, 0), std::numeric_limits<int64_t>::max());
+}
+
+TEST(SequencePeakModel, ABaselineShiftMovesEveryPrediction) {
+  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  SequencePeakModel m = SequencePeakModel::calibrate(p, {10, 20}, {50, 60});
+  ASSERT_TRUE(m.valid);
+  const int64_t before = m.predict({210, 20}, {0, 60});
+  m.baseline_shift = 4096;
+  EXPECT_EQ(m.predict({10, 20}, {50, 60}), 1610 + 4096);
+  EXPECT_EQ(m.predict({210, 20}, {0, 60}), before + 4096);
+}
+
 // Issue 18 item 5 (Note [Sequence model in unusual steps]): a graph retained across backwards keeps every call's
 // kept bytes alive while the first backward runs; the last backward's windows are as in a plain step.
 TEST(SequencePeakModel, ARetainedGraphCountsEveryCallsKeptBytesUntilTheLastBackward) {

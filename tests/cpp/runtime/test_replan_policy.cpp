@@ -59,6 +59,24 @@ TEST(ReplanPolicy, OverTheLimitReplansAndKeepsTheModelErrorAsMargin) {
   EXPECT_EQ(policy.model_error_bytes(), 60'000);
 }
 
+// The probe of issue 18 item 5: gradients kept from the previous step grew the baseline by 198,912 bytes; the
+// plan kept everything (predicted 422,408 on a step without them) and measured 570,120. That growth is not the
+// model's error: no margin (main kept 147,712 bytes, and refused every limit below 570,120 + 147,712 of it).
+TEST(ReplanPolicy, TheBaselinesGrowthIsNotTheModelsError) {
+  ReplanPolicy policy;
+  const PlanInfo last = plan_with(422'408, "sequence", /*keeps_everything=*/true);
+  StepOutcome step{430'600, 570'120, false, 198'912};
+  ReplanDecision d = policy.decide(&last, step);
+  EXPECT_TRUE(d.replan);
+  EXPECT_EQ(d.reason, "measured peak over the limit");
+  EXPECT_EQ(d.margin_bytes, 0);
+  EXPECT_EQ(policy.model_error_bytes(), 0);
+  // What the step measured above the shifted prediction still is.
+  step.measured_peak_bytes = 622'000;
+  d = policy.decide(&last, step);
+  EXPECT_EQ(d.margin_bytes, 622'000 - 198'912 - 422'408);
+}
+
 TEST(ReplanPolicy, AnAdditivePlanWellBelowItsPredictionIsRecalibratedHalfwayOnce) {
   ReplanPolicy policy;
   const PlanInfo last = plan_with(980'000);

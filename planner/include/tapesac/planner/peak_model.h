@@ -70,6 +70,24 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
                          const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
                          int64_t offset, int64_t end_ns = std::numeric_limits<int64_t>::max());
 
+/// Note [Keep-everything ceiling]. Neither peak model ever sees a step that kept everything before one runs: both
+/// extrapolate from the plan that ran ("full" on the measuring step), and either can miss keeping everything by
+/// kilobytes (the additive model holds every call's kept bytes at once: 30,556 predicted, 26,608 measured on a
+/// random program; the sequence model charges a window's whole measured working set: 18,576 vs 14,396). This bound
+/// reads the measured timeline instead: keeping everything holds, at each moment t, at most what the step held then
+/// (the plan's kept bytes, and its replays' rebuilt values in place of the values keeping everything would hold)
+/// plus the bytes the plan dropped from every call whose forward had ended and whose last replay had not begun yet
+/// (values that keeping everything would hold then and the step did not). So
+///   ceiling = max_t ( bytes(t) + offset + sum_{k: forward_end_k <= t < release_k} dropped_k ).
+/// For a step that kept everything (dropped_k = 0) it is the measured peak. It is not a bound when a kept value
+/// outlives its rebuilt copy (the GRU stack of test_user_holes.py: by 640 bytes); the planner takes the lower of it
+/// and the model's keep-everything figure.
+/// `release_ns[k]` < 0: the call never replayed (its dropped bytes count to the end). Returns INT64_MAX for an empty
+/// timeline or mismatched sizes (no bound).
+int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
+                         const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
+                         int64_t offset);
+
 /// What a measured step held besides the kept bytes of its plan, per block call in forward order (Note [Sequence
 /// model in unusual steps]); empty vectors mean zeros.
 struct StepExtras {
@@ -157,6 +175,9 @@ struct SequencePeakModel {
   /// the backward windows up to the call's), and the kept bytes of keeping everything (which replays nothing).
   std::vector<int64_t> held_for_replay;
   std::vector<int64_t> keep_all;
+  /// Added to every prediction: how much the step's baseline (bytes in use when it began: parameters, gradients kept
+  /// from the previous step, optimizer state) grew since the step the model was calibrated on.
+  int64_t baseline_shift = 0;
 
   /// The predicted step peak for per-call kept bytes and replay working sets (forward order).
   int64_t predict(const std::vector<int64_t>& kept, const std::vector<int64_t>& ws) const;

@@ -14,6 +14,11 @@
 //    and the sequence model (planner::SequencePeakModel) on the step's memory profile when every call replayed; the
 //    sequence model is used when valid (and kept while the calls stay the same). An infeasible limit throws
 //    tapesac::Error (kMemoryLimit) with infeasible_limit_message(); nothing is installed then.
+//  * Keeping everything is predicted at the lower of the model's figure and the last step's keep-everything ceiling
+//    (Note [Keep-everything ceiling] in planner/peak_model.h): a limit at or above the ceiling keeps everything, and
+//    the smallest feasible peak an infeasible limit names is never above it. A sequence model kept from an earlier
+//    step is shifted by the growth of the step's baseline since then (gradients kept from the previous step,
+//    optimizer state).
 //  * Dropped values found alive anyway after a forward (a module stored them; Note [dropped values alive elsewhere]
 //    in replay/block_call.h) are kept by every later plan of their call (same name and tape signature; such a call
 //    plans on a frontier of its own): keeping them costs nothing while they are alive, and the peak models would
@@ -54,6 +59,10 @@ struct AutoPlannerOptions {
   /// Fixed masks without a limit: the schedules may keep the predicted peak this fraction above the least one any
   /// schedules reach, at less replay time (planner::plan_schedules).
   double least_peak_slack = 0.02;
+  /// A limit this many bytes per block call below the keep-everything ceiling (Note [Keep-everything ceiling] in
+  /// planner/peak_model.h) still keeps everything: the ceiling counts the dropped values in tensor bytes, the
+  /// allocator its allocations (the random programs refused at their no-checkpoint peak: 8 to 24 bytes above it).
+  int64_t ceiling_slack_per_call = 64;
 };
 
 /// The message of an infeasible limit: the user's limit, the smallest feasible step peak and what it is made of, and
@@ -127,6 +136,10 @@ class AutoPlanner {
   planner::StepProfile step_profile(planner::StepExtras* extras = nullptr) const;
   planner::StepPlan plan_step(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
                               int64_t limit) const;
+  /// The keep-everything ceiling of the last step (planner::keep_all_ceiling; Note [Keep-everything ceiling] in
+  /// planner/peak_model.h; a step that kept everything: its measured peak); INT64_MAX when its spans do not say
+  /// when calls ran.
+  int64_t keep_all_ceiling(const Prepared& prep, int64_t measured_peak) const;
   PlanInfo install(const planner::StepPlan& plan, const planner::StepInput& input);
   void observe(const replay::BlockTapeView& view);
 
@@ -141,6 +154,7 @@ class AutoPlanner {
   std::vector<Call> calls_;
   planner::PeakModel last_model_;
   planner::SequencePeakModel seq_;
+  int64_t seq_baseline_ = 0;  // the baseline of the step seq_ was calibrated on
   bool last_used_seq_ = false;
   planner::StepInput last_input_;
 };

@@ -13,7 +13,10 @@
 //     varies between plans. The sequence model is calibrated on a complete measured profile and needs no such
 //     correction.
 // Margins: what the peak model missed on a plan that ran (measured - predicted, the largest so far) is kept below
-// the limit by every later plan; after a re-calibration the model is no longer conservative by construction, so at
+// the limit by every later plan — less what the step's baseline grew since the step the plan was made after (its
+// gradients and optimizer state were not there to measure; the AutoPlanner shifts its models by that growth, so
+// counting it as the model's error too would charge it twice: a limit the step could meet was refused for 147,712
+// bytes of gradients kept from the previous step); after a re-calibration the model is no longer conservative by construction, so at
 // least ReplanOptions::recalibrated_margin of the limit is kept spare.
 //
 // Pure logic on figures (no Session): not thread-safe; the Runtime calls it between steps.
@@ -40,6 +43,9 @@ struct StepOutcome {
   int64_t limit = 0;                ///< the memory_limit (bytes, > 0)
   int64_t measured_peak_bytes = 0;  ///< the step's measured peak
   bool unplanned_calls = false;     ///< some block call found no plan for its tape
+  /// How much the step's baseline (bytes in use when it began) exceeds that of the step the plan that ran was made
+  /// after: gradients kept from the previous step, optimizer state. Not the peak model's error (Note [Replan policy]).
+  int64_t baseline_growth_bytes = 0;
 };
 
 /// The policy's answer for one step.

@@ -83,6 +83,7 @@ class Runtime {
   ReplanPolicy replan_;
   PreservationChooser chooser_;
   std::optional<PlanInfo> plan_;
+  int64_t plan_baseline_ = 0;  // the baseline of the step plan_ was made after
   std::vector<PlanInfo> plans_;
 };
 

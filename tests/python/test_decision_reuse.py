@@ -170,8 +170,9 @@ def test_a_new_plan_is_not_served_an_old_decision() -> None:
         none_peak = sac.last_step.memory.peak_bytes
     finally:
         sac.close()
-    # Twice the no-checkpoint peak: the plan keeps everything (at the peak itself auto refuses this model: see the
-    # stop note of 2026-12-02).
+    # Twice the first step's no-checkpoint peak: the plan keeps everything. (At that peak itself auto refuses, rightly:
+    # without an optimizer the gradients accumulate, so later steps hold step 1's too — test_user_holes.py,
+    # test_auto_does_not_count_kept_gradients_as_its_models_error.)
     res = reference_check(make, lambda: (M.x_in(),), "auto", "blocks.*", steps=4, expect_drop=False,
                           sac_kwargs={"memory_limit": 2 * none_peak})
     plans = [st.blocks[0].planned for st in res.all_stats]

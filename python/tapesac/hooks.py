@@ -29,10 +29,19 @@ from torch import nn
 __all__ = ["StepHooks"]
 
 
+# torch's C functions, looked up once: the hooks run at every block call (issue 20: the cost per block call).
+# `_push_hooks`/`_pop_hooks` are what torch.autograd.graph.saved_tensors_hooks' __enter__/__exit__ call.
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_peek_interpreter = torch._C._functorch.peek_interpreter_stack
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+_grad_enabled = torch.is_grad_enabled
+_thread_id = threading.get_ident
+
+
 def _functorch_active() -> bool:
     """True while a torch.func transform runs on this thread (Note [torch.func])."""
-    return (torch._C._functorch.peek_interpreter_stack() is not None
-            or not torch._C._autograd._saved_tensors_hooks_is_enabled())
+    return _peek_interpreter() is not None or not _hooks_enabled()
 
 
 class StepHooks:
@@ -42,7 +51,7 @@ class StepHooks:
         self._session = session
         self._blocks = list(blocks)
         self._handles: list[Any] = []
-        self._open: list[tuple[nn.Module, Any]] = []
+        self._open: list[nn.Module] = []  # the blocks whose call is open, innermost last
         self._thread: int | None = None
         self._pack, self._unpack = session.saved_tensor_hooks()  # C functions (Note [Hooks without pybind11])
         self.aside_calls = 0  # block calls of this step run untouched under a torch.func transform
@@ -76,26 +85,25 @@ class StepHooks:
         session = self._session
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if threading.get_ident() != self._thread:  # Note [other threads]
+            if _thread_id() != self._thread:  # Note [other threads]
                 return None
-            if not torch.is_grad_enabled() or session.block_open:
+            if not _grad_enabled() or session.block_open:
                 return None
             if _functorch_active():  # Note [torch.func]
                 self.aside_calls += 1
                 return None
             if session.begin_block(name):
-                hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                hooks.__enter__()
-                self._open.append((module, hooks))
+                _push_hooks(self._pack, self._unpack)  # saved_tensors_hooks(pack, unpack).__enter__()
+                self._open.append(module)
             return None
 
         return pre_hook
 
     def _post_hook(self, module: nn.Module) -> Callable[..., None]:
         def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
-            if threading.get_ident() != self._thread:  # Note [other threads]
+            if _thread_id() != self._thread:  # Note [other threads]
                 return None
-            if self._open and self._open[-1][0] is module:
+            if self._open and self._open[-1] is module:
                 self._close_top_block()
             return None
 
@@ -103,8 +111,8 @@ class StepHooks:
 
     def _close_top_block(self) -> None:
         """Pops the innermost open block's saved-tensor hooks and closes its block call (also if popping raises)."""
-        _, hooks = self._open.pop()
+        self._open.pop()
         try:
-            hooks.__exit__(None, None, None)
+            _pop_hooks()
         finally:
             self._session.end_block()

@@ -37,6 +37,7 @@ struct CountedContext {
   std::shared_ptr<MemoryCounter> counter;
   int64_t bytes = 0;
   std::array<Phase, kMaxChain> phases{};
+  bool dropped_alive = false;  // Note [Dropped bytes still alive]
 };
 
 // Counted allocations by data pointer. A counted DataPtr has context == data (like the default CPU allocator's),
@@ -58,13 +59,23 @@ class CountedTable {
     sh.map.erase(it);
     return true;
   }
+  /// Sets the entry's dropped_alive flag to `on`; the counter and bytes to tell when it changed (null otherwise).
+  std::shared_ptr<MemoryCounter> set_dropped_alive(const void* data, bool on, int64_t& bytes) {
+    Shard& sh = shard(data);
+    std::lock_guard<std::mutex> lock(sh.mu);
+    auto it = sh.map.find(const_cast<void*>(data));
+    if (it == sh.map.end() || it->second.dropped_alive == on) return nullptr;
+    it->second.dropped_alive = on;
+    bytes = it->second.bytes;
+    return it->second.counter;
+  }
 
  private:
   struct Shard {
     std::mutex mu;
     std::unordered_map<void*, CountedContext> map;
   };
-  Shard& shard(void* p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 6) % kShards]; }
+  Shard& shard(const void* p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 6) % kShards]; }
   static constexpr size_t kShards = 64;
   std::array<Shard, kShards> shards_;
 };
@@ -95,8 +106,22 @@ void delete_counted(void* data) {
 void uncount(const CountedContext& ctx) noexcept {
   int depth = 0;
   for (MemoryCounter* c = ctx.counter.get(); c != nullptr; c = c->parent().get(), ++depth) {
-    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[static_cast<size_t>(depth)] : c->phase());
+    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[static_cast<size_t>(depth)] : c->phase(), ctx.dropped_alive);
   }
+}
+
+// Returns the bytes whose mark changed (0: not a counted allocation, or already in that state).
+int64_t change_dropped_alive(const void* data, bool on) noexcept {
+  if (data == nullptr) return 0;
+  int64_t bytes = 0;
+  std::shared_ptr<MemoryCounter> counter;
+  try {
+    counter = counted_table().set_dropped_alive(data, on, bytes);
+  } catch (...) {
+    return 0;  // the shard's lock failed: telemetry never fails the caller
+  }
+  for (MemoryCounter* c = counter.get(); c != nullptr; c = c->parent().get()) c->on_dropped_alive(on ? bytes : -bytes);
+  return counter ? bytes : 0;
 }
 
 void CountedTable::insert(void* data, CountedContext ctx) {
@@ -209,10 +234,16 @@ void MemoryCounter::on_alloc(int64_t bytes, Phase phase) noexcept {
   if (max_points_ > 0) record(cur);
 }
 
-void MemoryCounter::on_free(int64_t bytes, Phase alloc_phase) noexcept {
+void MemoryCounter::on_free(int64_t bytes, Phase alloc_phase, bool dropped_alive) noexcept {
+  if (dropped_alive) dropped_alive_.fetch_sub(bytes, std::memory_order_relaxed);
   int64_t cur = current_.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
   phases_[static_cast<int>(alloc_phase)].current.fetch_sub(bytes, std::memory_order_relaxed);
   if (max_points_ > 0) record(cur);
+}
+
+void MemoryCounter::on_dropped_alive(int64_t bytes) noexcept {
+  dropped_alive_.fetch_add(bytes, std::memory_order_relaxed);
+  if (max_points_ > 0) record(current());
 }
 
 void MemoryCounter::set_phase(Phase p) noexcept {
@@ -229,7 +260,8 @@ int64_t MemoryCounter::begin_window() noexcept {
 
 void MemoryCounter::record(int64_t bytes) noexcept {
   TimelinePoint p{now_ns() - start_ns_, bytes, phase(),
-                  phases_[static_cast<int>(Phase::kReplay)].current.load(std::memory_order_relaxed)};
+                  phases_[static_cast<int>(Phase::kReplay)].current.load(std::memory_order_relaxed),
+                  dropped_alive_.load(std::memory_order_relaxed)};
   std::lock_guard<std::mutex> lock(timeline_mu_);
   try {
     if (points_.size() >= max_points_) {
@@ -296,5 +328,9 @@ ScopedCounter::~ScopedCounter() {
 }
 
 MemoryCounter* active_counter() noexcept { return tls_active; }
+
+int64_t mark_dropped_alive(const void* data) noexcept { return change_dropped_alive(data, true); }
+
+void unmark_dropped_alive(const void* data) noexcept { change_dropped_alive(data, false); }
 
 }  // namespace tapesac::allocator

@@ -85,9 +85,10 @@ std::vector<RestLevel> reduce_levels(std::vector<RestLevel> levels, size_t max_l
 
 int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
                          const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
-                         int64_t offset) {
+                         int64_t offset, const std::vector<int64_t>& held_bytes) {
   const size_t n = forward_end_ns.size();
-  if (timeline.empty() || release_ns.size() != n || dropped_bytes.size() != n) {
+  if (timeline.empty() || release_ns.size() != n || dropped_bytes.size() != n ||
+      (!held_bytes.empty() && held_bytes.size() != n)) {
     return std::numeric_limits<int64_t>::max();
   }
   int64_t ceiling = std::numeric_limits<int64_t>::min();
@@ -101,8 +102,11 @@ int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vec
       } else if (pt.t_ns >= forward_end_ns[k]) {
         pending += dropped_bytes[k];
       }
+      // Held for the replays from the forward's end to the step's (the call releases its inputs at the step end).
+      if (pt.t_ns >= forward_end_ns[k] && !held_bytes.empty()) pending -= held_bytes[k];
     }
-    ceiling = std::max(ceiling, pt.bytes - pt.replay_bytes + std::min(pt.replay_bytes, rebuilt) + offset + pending);
+    ceiling = std::max(ceiling, pt.bytes - pt.replay_bytes + std::min(pt.replay_bytes, rebuilt) - pt.dropped_alive +
+                                    offset + pending);
   }
   return ceiling;
 }

@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "tapesac/allocator/telemetry.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
@@ -274,6 +275,7 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
   BlockStats& st = closed_stats_;
   using Counted = std::vector<std::pair<const void*, int64_t>>;
   Counted kept_storages, opaque_storages, dropped_storages;
+  std::vector<const Slot*> dropped_slots;  // one per entry of dropped_storages before deduplication
   const size_t n = live_.size();
   std::vector<uint8_t> served(n, 0);  // a kept value is read from its first slot's tensor
   for (Slot& s : slots_) {
@@ -320,7 +322,10 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
       s.storage_weak = s.tensor.storage().getWeakStorageImpl();
       const bool kept = std::binary_search(kept_storages.begin(), kept_storages.end(), std::make_pair(key, std::numeric_limits<int64_t>::min()),
                                            [](const auto& a, const auto& b) { return a.first < b.first; });
-      if (!kept) dropped_storages.emplace_back(key, storage_bytes(s.tensor));
+      if (!kept) {
+        dropped_storages.emplace_back(key, storage_bytes(s.tensor));
+        dropped_slots.push_back(&s);
+      }
     }
     if (handles_[static_cast<size_t>(s.value)]++ == 0) {
       targets.push_back(Read{s.value, s.state});
@@ -332,6 +337,11 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
   }
   unique_sorted(dropped_storages);
   st.dropped_bytes += sum(dropped_storages);
+  // Note [Dropped bytes still alive] (allocator/telemetry.h): what dropping did not free is marked on the memory
+  // timeline until this call's backward begins, so the keep-everything ceiling does not count it twice.
+  for (const Slot* s : dropped_slots) {
+    if (storage_alive(*s) && allocator::mark_dropped_alive(s->storage_data) > 0) marked_alive_.push_back(s->storage_data);
+  }
   std::sort(dropped_values_.begin(), dropped_values_.end());
   remaining_ = handles_;
   return targets;
@@ -377,12 +387,18 @@ void BlockCall::close_step() noexcept {
   closed_stats_.ops_replayed = replay_stats_.ops;
   closed_stats_.replay_ns = replay_stats_.ns;
   step_closed_ = true;
+  unmark_alive();
   for (Slot& s : slots_) s.tensor.reset();
   cache_.clear();
   held_.clear();
   live_.clear();
   approx_.reset();
   recorder_.clear();
+}
+
+void BlockCall::unmark_alive() noexcept {
+  for (const void* data : marked_alive_) allocator::unmark_dropped_alive(data);
+  marked_alive_.clear();
 }
 
 void BlockCall::refresh_alive_dropped() {

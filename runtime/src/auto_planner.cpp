@@ -25,20 +25,27 @@ std::string hex_signature(uint64_t s) {
 
 }  // namespace
 
-std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes) {
+std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes,
+                                     int64_t measured_full_bytes) {
   const int64_t user_limit = limit_bytes + margin_bytes;
-  const int64_t needed = smallest_feasible_bytes + margin_bytes;
+  const int64_t planned = smallest_feasible_bytes + margin_bytes;
+  // A limit at the step peak "full" measured runs (Note [Measured fallback] in runtime.h).
+  const int64_t needed = std::min(planned, measured_full_bytes);
+  const std::string why =
+      needed < planned ? " (the step peak the masks of policy \"full\" measured, which auto then falls back to)" : "";
+  // With a margin the user's limit itself may be above the smallest feasible peak: what is below it is the limit
+  // less the margin, and the message says so.
   std::string held;
   if (margin_bytes > 0) {
-    held = "; the planner holds back " + std::to_string(margin_bytes) +
-           " bytes of the limit for the error its peak model made on earlier steps";
+    held = ", less the " + std::to_string(margin_bytes) +
+           " bytes the planner holds back for the error its peak model made on earlier steps,";
   }
   return "tapesac: memory_limit " + common::format_bytes(user_limit) + " (" + std::to_string(user_limit) +
-         " bytes) is below the smallest feasible step peak " + common::format_bytes(smallest_feasible_bytes) + " (" +
-         std::to_string(smallest_feasible_bytes) +
+         " bytes)" + held + " is below the smallest feasible step peak " +
+         common::format_bytes(smallest_feasible_bytes) + " (" + std::to_string(smallest_feasible_bytes) +
          " bytes: parameters, gradients and activations outside the blocks as measured in the first step, plus the "
-         "least every block must keep, plus one block's replay" + held + "). Raise memory_limit to at least " +
-         std::to_string(needed) + " bytes, or lower the batch size or sequence length.";
+         "least every block must keep, plus one block's replay). Raise memory_limit to at least " +
+         std::to_string(needed) + " bytes" + why + ", or lower the batch size or sequence length.";
 }
 
 AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
@@ -48,7 +55,7 @@ AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
 
 AutoPlanner::~AutoPlanner() { session_.set_tape_observer(nullptr); }
 
-PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes) {
+PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes, int64_t measured_full_bytes) {
   TAPESAC_CHECK(!calls_.empty(), kGeneric,
                 "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
   const common::Stopwatch clock;
@@ -76,22 +83,70 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   // Its figures are the allocator's but for the dropped bytes (tensor bytes): a limit within a few bytes per call
   // below it still keeps everything (AutoPlannerOptions::ceiling_slack_per_call).
   const int64_t ceiling = options_.fixed_masks ? INT64_MAX : keep_all_ceiling(prep, measured_peak);
-  const bool ceiling_fits =
-      ceiling != INT64_MAX &&
-      limit >= ceiling - options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
   planner::StepPlan plan;
   try {
-    plan = plan_step(prep.input, use_seq, model, limit);
+    plan = plan_under_ceiling(prep.input, use_seq, model, limit, ceiling);
   } catch (const planner::InfeasibleLimitError& e) {
-    if (!ceiling_fits) {
-      throw Error(ErrorKind::kMemoryLimit,
-                  infeasible_limit_message(limit, std::min(e.smallest_feasible_bytes(), ceiling), margin_bytes));
-    }
+    throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes(), margin_bytes,
+                                                                  measured_full_bytes));
+  }
+  PlanInfo out = install(plan, prep.input);
+  last_model_ = model;
+  last_input_ = prep.input;
+  last_used_seq_ = use_seq;
+  last_ceiling_ = ceiling;
+  out.limit = limit;
+  out.baseline_bytes = model.baseline_bytes;
+  out.model = use_seq ? "sequence" : "additive";
+  out.model_calibrated_now = seq.valid;
+  out.signatures = static_cast<int64_t>(prep.input.frontiers.size());
+  out.planning_ms = clock.elapsed_ms();
+  return out;
+}
+
+PlanInfo AutoPlanner::plan_least_memory(int64_t predicted_peak) {
+  TAPESAC_CHECK(!calls_.empty(), kGeneric,
+                "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
+  const common::Stopwatch clock;
+  remember_alive_anyway();
+  const Prepared prep = prepare();
+  planner::StepPlan plan = planner::least_memory_plan(prep.input);
+  plan.predicted_peak_bytes = predicted_peak;
+  plan.min_feasible_peak_bytes = predicted_peak;
+  PlanInfo out = install(plan, prep.input);
+  last_input_ = prep.input;
+  out.model = last_used_seq_ ? "sequence" : "additive";
+  out.signatures = static_cast<int64_t>(prep.input.frontiers.size());
+  out.planning_ms = clock.elapsed_ms();
+  return out;
+}
+
+std::vector<uint64_t> AutoPlanner::call_signatures() const {
+  std::vector<uint64_t> out;
+  out.reserve(calls_.size());
+  for (const Call& c : calls_) out.push_back(c.signature);
+  return out;
+}
+
+planner::StepPlan AutoPlanner::plan_under_ceiling(const planner::StepInput& input, bool sequence,
+                                                  const planner::PeakModel& model, int64_t limit,
+                                                  int64_t ceiling) const {
+  // Keeping everything is one plan whose peak the last step's timeline bounds directly (Note [Keep-everything
+  // ceiling]); with fixed masks it is not a choice. Its figures are the allocator's but for the dropped bytes (tensor
+  // bytes): a limit within a few bytes per call below it still keeps everything
+  // (AutoPlannerOptions::ceiling_slack_per_call).
+  const bool ceiling_fits =
+      ceiling != INT64_MAX && limit >= ceiling - options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
+  planner::StepPlan plan;
+  try {
+    plan = plan_step(input, sequence, model, limit);
+  } catch (const planner::InfeasibleLimitError& e) {
+    if (!ceiling_fits) throw planner::InfeasibleLimitError(limit, std::min(e.smallest_feasible_bytes(), ceiling));
     plan.min_feasible_peak_bytes = e.smallest_feasible_bytes();
     plan.keep_all_peak_bytes = ceiling;
   }
   if (ceiling_fits && !plan.keeps_everything) {
-    planner::StepPlan all = planner::plan_step(prep.input, planner::PeakModel{0}, INT64_MAX);
+    planner::StepPlan all = planner::plan_step(input, planner::PeakModel{0}, INT64_MAX);
     all.keeps_everything = true;
     all.predicted_peak_bytes = ceiling;
     all.min_feasible_peak_bytes = plan.min_feasible_peak_bytes;
@@ -102,17 +157,7 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   }
   plan.keep_all_peak_bytes = std::min(plan.keep_all_peak_bytes, ceiling);
   plan.min_feasible_peak_bytes = std::min(plan.min_feasible_peak_bytes, ceiling);
-  PlanInfo out = install(plan, prep.input);
-  last_model_ = model;
-  last_input_ = prep.input;
-  last_used_seq_ = use_seq;
-  out.limit = limit;
-  out.baseline_bytes = model.baseline_bytes;
-  out.model = use_seq ? "sequence" : "additive";
-  out.model_calibrated_now = seq.valid;
-  out.signatures = static_cast<int64_t>(prep.input.frontiers.size());
-  out.planning_ms = clock.elapsed_ms();
-  return out;
+  return plan;
 }
 
 planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool sequence,
@@ -150,8 +195,12 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   }
   std::vector<planner::TimedBytes> timeline;
   timeline.reserve(m.timeline.size());
-  for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes});
-  const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline);
+  for (const auto& p : m.timeline) {
+    timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes, p.dropped_alive_bytes});
+  }
+  std::vector<int64_t> held = prep.extras.held_for_replay;
+  if (held.size() != calls_.size()) held.clear();
+  const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline, held);
   // A step that dropped nothing kept everything: its measured peak (the timeline's points may miss it).
   const bool kept_all = std::all_of(dropped.begin(), dropped.end(), [](int64_t b) { return b == 0; });
   return kept_all && ceiling != INT64_MAX ? std::max(ceiling, measured_peak) : ceiling;
@@ -206,14 +255,14 @@ std::vector<FrontierPoint> AutoPlanner::frontier(int points) const {
                 "tapesac: no plan yet; frontier() needs policy='auto' and one finished step");
   const Prepared prep = prepare();
   const bool seq = last_used_seq_ && seq_.backward_c.size() == prep.input.calls.size();
-  const planner::StepPlan lo = plan_step(prep.input, seq, last_model_, INT64_MAX);
+  const planner::StepPlan lo = plan_under_ceiling(prep.input, seq, last_model_, INT64_MAX, last_ceiling_);
   const int64_t hi_peak = lo.keep_all_peak_bytes;
   const int64_t lo_peak = lo.min_feasible_peak_bytes;
   const int n = std::max(points, 2);
   std::vector<FrontierPoint> out;
   for (int k = 0; k < n; ++k) {
     const int64_t limit = lo_peak + (hi_peak - lo_peak) * k / (n - 1);
-    const planner::StepPlan p = plan_step(prep.input, seq, last_model_, limit);
+    const planner::StepPlan p = plan_under_ceiling(prep.input, seq, last_model_, limit, last_ceiling_);
     out.push_back(FrontierPoint{limit, p.predicted_peak_bytes, p.replay_cost_ns, p.sum_kept_bytes});
   }
   return out;
@@ -370,7 +419,9 @@ planner::StepProfile AutoPlanner::step_profile(planner::StepExtras* extras) cons
   }
   std::vector<planner::TimedBytes> timeline;
   timeline.reserve(m.timeline.size());
-  for (const auto& p : m.timeline) timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes});
+  for (const auto& p : m.timeline) {
+    timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes, p.dropped_alive_bytes});
+  }
   if (extras == nullptr || !extras->retained) return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
   // A retained graph (Note [Sequence model in unusual steps]): the first backward's windows end where the second
   // begins; the last backward's start at each call's first replay in it.

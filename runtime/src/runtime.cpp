@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "tapesac/common/errors.h"
@@ -55,6 +56,10 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   // backward's memory: no plan is made from it (auto keeps measuring) and the plan in use stays.
   if (session_.last_summary().totals.unpacks == 0) return;
   const auto& blocks = session_.last_stats();
+  if (!fixed_masks_ && std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; })) {
+    // Every call ran without a plan, i.e. with the masks of policy "full": Note [Measured fallback].
+    full_step_ = MeasuredStep{measured, session_.last_memory().baseline, step, planner_->call_signatures()};
+  }
   // With fixed masks a call that drops nothing has no schedule to follow.
   const bool unplanned = std::any_of(blocks.begin(), blocks.end(), [&](const replay::BlockStats& b) {
     return !b.planned && (!fixed_masks_ || b.dropped_tensors > 0);
@@ -66,17 +71,27 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   ReplanDecision d = replan_.decide(plan(), outcome);
   if (!d.replan) return;
   if (limit_ > 0 && measured > limit_ && plan_ && plan_->keeps_everything && !fixed_masks_) {
-    // Kept everything within the planner's tolerance and ran over the limit: the next plan lies below it (the
-    // prediction shifted by the baseline's growth, as the planner's models are).
+    // Kept everything (predicted within the limit, or within the ceiling's slack of it) and ran over the limit: the
+    // next plan lies below that prediction (shifted by the baseline's growth, as the planner's models are).
     const int64_t predicted = plan_->predicted_peak_bytes + outcome.baseline_growth_bytes;
-    const int64_t floor = predicted - planner::keep_everything_tolerance(predicted);
-    d.margin_bytes = std::max(d.margin_bytes, limit_ - floor + 1);
+    d.margin_bytes = std::max(d.margin_bytes, limit_ - predicted + 1);
   }
   replay::GraphCache* graphs = session_.graph_cache();
   ReservedPlan r;
+  std::string reason = d.reason;
   if (limit_ > 0) {
-    r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0,
-                                [&](int64_t limit) { return planner_->plan(limit, d.calibrate_on, d.margin_bytes); });
+    const int64_t full_peak = measured_full_peak(baseline);
+    try {
+      r = plan_with_graph_reserve(limit_ - d.margin_bytes, graphs ? graphs->pending_bytes() : 0, [&](int64_t limit) {
+        return planner_->plan(limit, d.calibrate_on, d.margin_bytes, full_peak);
+      });
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kMemoryLimit || full_peak > limit_) throw;
+      // Note [Measured fallback]: the masks of "full" measured within the limit.
+      r = ReservedPlan{planner_->plan_least_memory(full_peak), 0, std::nullopt};
+      reason = "fallback (" + d.reason + "): no plan is predicted under the limit less the margin; the masks of step " +
+               std::to_string(full_step_->step) + " measured " + std::to_string(full_step_->peak_bytes) + " bytes";
+    }
   } else {
     r.plan = planner_->plan(0, d.calibrate_on);
   }
@@ -86,13 +101,18 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   info.predicted_peak_bytes += r.reserve_bytes;
   info.limit = limit_;
   info.margin_bytes = d.margin_bytes;
-  info.reason = d.reason;
+  info.reason = reason;
   info.after_step = step;
   info.measured_peak_bytes = measured;
   plan_ = std::move(info);
   plan_baseline_ = baseline;
   plans_.push_back(*plan_);
   plans_.back().calls.clear();
+}
+
+int64_t Runtime::measured_full_peak(int64_t baseline) const {
+  if (!full_step_ || fixed_masks_ || planner_->call_signatures() != full_step_->signatures) return INT64_MAX;
+  return full_step_->peak_bytes + (baseline - full_step_->baseline_bytes);
 }
 
 void Runtime::choose_preservation(int64_t measured_peak_bytes) {

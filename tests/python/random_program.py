@@ -974,6 +974,9 @@ class ProgramOutcome:
     auto_refused: str = ""
     auto_refused_at_none_peak: str = ""
     auto_over_limit_bytes: int = 0
+    # At a limit at the "none" peak (frac 1) the planned step dropped tensors: README's "a limit at or above the
+    # no-checkpoint peak keeps everything" missed (counted).
+    auto_dropped_at_none_peak: bool = False
 
 
 def check_program(seed: int, policies: list[str] | None = None) -> ProgramOutcome:
@@ -1049,6 +1052,8 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
                     diffs.append(f"policy 'auto': the planned step peaked at {st.memory.peak_bytes} bytes, over the "
                                  f"memory_limit {limit}, and is not flagged over_limit")
                 outcome.auto_over_limit_bytes = st.memory.peak_bytes - limit
+            if isinstance(policy, AutoLimit) and policy.frac >= 1.0 and st is not None and st.dropped_tensors > 0:
+                outcome.auto_dropped_at_none_peak = True
         if diffs:
             raise ProgramFailure(f"{where}: tapesac differs from the plain run:\n  " + "\n  ".join(diffs[:8]) +
                                  f"\n{program}\nreproduce: cd tests/python && python3 -c 'import random_program as R; "
@@ -1063,7 +1068,8 @@ def tally(seeds: range) -> dict[str, Any]:
     "schedule:lazy", "backend:emulated_graph"), the programs, the failures (a
     gradient differs, or the step raised) and the contract rejections. For reports: `python random_program.py 0 500`."""
     per: dict[str, dict[str, int]] = {}
-    totals = {"auto_within_limit": 0, "auto_over_limit": 0, "auto_refused_limit": 0, "auto_refused_at_none_peak": 0}
+    totals = {"auto_within_limit": 0, "auto_over_limit": 0, "auto_refused_limit": 0, "auto_refused_at_none_peak": 0,
+              "auto_dropped_at_none_peak": 0}
     failures: list[tuple[int, list[str], str]] = []
     for seed in seeds:
         program = Program.generate(seed)
@@ -1085,6 +1091,7 @@ def tally(seeds: range) -> dict[str, Any]:
             per[f]["auto_refused_limit"] += bool(outcome.auto_refused)
             per[f]["auto_refused_at_none_peak"] += bool(outcome.auto_refused_at_none_peak)
             per[f]["auto_over_limit"] += outcome.auto_over_limit_bytes > 0
+        totals["auto_dropped_at_none_peak"] += outcome.auto_dropped_at_none_peak
         if outcome.auto_refused or outcome.auto_refused_at_none_peak:
             totals["auto_refused_limit" if outcome.auto_refused else "auto_refused_at_none_peak"] += 1
         elif outcome.auto_over_limit_bytes > 0:

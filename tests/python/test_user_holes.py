@@ -1028,8 +1028,10 @@ def _gru_steps(policy: str, steps: int = 3, **kw: Any) -> list[int]:
 
 # Open (issue 18 item 5): full peaks at 40,904 bytes in these steps and keeping everything at 40,968. The sequence
 # model predicts keeping everything at 40,328 (the replay's working set, 8,320 bytes, includes 640 of transients gone
-# when the window peaks), so the first plan keeps everything and step 2 runs 64 bytes over; the replan then holds
-# back a margin below the limit and refuses (MemoryLimitError, "at least 45,577 bytes"). Predicting keep-everything
+# when the window peaks), so the first plan keeps everything and step 2 runs 64 bytes over (flagged); the replan then
+# holds back a margin below the limit and finds no plan under it, and falls back to the masks "full" ran with, which
+# measured 40,904 (Note [Measured fallback] in runtime/runtime.h; before, it refused: MemoryLimitError, "at least
+# 45,577 bytes"): test_auto_recovers_at_a_limit_full_met. Predicting keep-everything
 # from the window's levels (as Note [Backward levels] does for retained graphs) gives 40,968 exactly, but the
 # keep-everything tolerance (4 KiB) then still keeps everything, and without it the next plan (dropping per block the
 # 768-byte add_ that gelu saves and one 128-byte clone of the recurrence) is predicted 40,904 and measured 41,672 and
@@ -1048,6 +1050,30 @@ def test_auto_accepts_a_limit_that_full_meets() -> None:
     limit = max(_gru_steps("full"))
     peaks = _gru_steps("auto", memory_limit=limit)
     assert max(peaks[1:]) <= limit, f"planned steps over the limit {limit} that full meets: {peaks}"
+
+
+def test_auto_recovers_at_a_limit_full_met() -> None:
+    """A limit "full" meets is never refused (Note [Measured fallback], runtime/runtime.h): the first plan may run
+    over it (flagged), every step after that one is within it, and no MemoryLimitError is raised."""
+    import tapesac
+
+    limit = max(_gru_steps("full"))
+    torch.manual_seed(0)
+    model = _gru_stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", memory_limit=limit)
+    try:
+        for _ in range(5):
+            torch.manual_seed(1000)
+            with sac.step():
+                model(_x()).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        peaks = [st.memory.peak_bytes for st in sac.history]
+        reasons = [p["reason"] for p in sac.plans]
+        assert all(st.over_limit == (st.memory.peak_bytes > limit) for st in sac.history), peaks
+        over = [i for i, p in enumerate(peaks) if p > limit]
+        assert len(over) <= 1 and max(peaks[over[0] + 1 if over else 0:]) <= limit, (limit, peaks, reasons)
+    finally:
+        sac.close()
 
 
 _lib = torch.library.Library("tapesac_holes", "FRAGMENT")  # noqa: SIM115 - lives as long as the module

@@ -184,6 +184,40 @@ TEST(MemoryCounter, TimelinePointsCarryTheReplayBytesAlive) {
   EXPECT_EQ(replay, (std::vector<int64_t>{0, 0, 0, 30, 30, 30, 0}));
 }
 
+// Note [Dropped bytes still alive]: a marked allocation's bytes are in dropped_alive() and in the timeline's points
+// until it is unmarked or freed, in every counter of the chain; marking twice, or what no counter counted, is a no-op.
+TEST(CountingAllocator, MarkedDroppedBytesAreOnTheTimelineUntilUnmarkedOrFreed) {
+  CountingAllocatorUse use;
+  auto outer = std::make_shared<MemoryCounter>(/*timeline_points=*/64);
+  auto counter = std::make_shared<MemoryCounter>(/*timeline_points=*/64);
+  at::Tensor uncounted = at::empty({64}, at::kFloat);
+  ScopedCounter outer_scope(outer);
+  ScopedCounter scope(counter);
+  at::Tensor a = at::empty({100}, at::kFloat);  // 400 bytes
+  at::Tensor b = at::empty({25}, at::kFloat);   // 100 bytes
+  EXPECT_EQ(mark_dropped_alive(a.storage().data()), 400);
+  EXPECT_EQ(mark_dropped_alive(a.storage().data()), 0);  // already marked
+  EXPECT_EQ(mark_dropped_alive(uncounted.storage().data()), 0);
+  EXPECT_EQ(mark_dropped_alive(nullptr), 0);
+  EXPECT_EQ(mark_dropped_alive(b.storage().data()), 100);
+  EXPECT_EQ(counter->dropped_alive(), 500);
+  EXPECT_EQ(outer->dropped_alive(), 500);
+  unmark_dropped_alive(b.storage().data());
+  unmark_dropped_alive(b.storage().data());  // not marked any more: no-op
+  EXPECT_EQ(counter->dropped_alive(), 400);
+  a.reset();  // freed while marked
+  EXPECT_EQ(counter->dropped_alive(), 0);
+  EXPECT_EQ(outer->dropped_alive(), 0);
+  EXPECT_EQ(counter->current(), 100);
+  std::vector<int64_t> bytes, dropped;
+  for (const auto& p : counter->timeline()) {
+    bytes.push_back(p.bytes);
+    dropped.push_back(p.dropped_alive_bytes);
+  }
+  EXPECT_EQ(bytes, (std::vector<int64_t>{400, 500, 500, 500, 500, 100}));  // allocs, marks, unmark, free
+  EXPECT_EQ(dropped, (std::vector<int64_t>{0, 0, 400, 500, 400, 0}));
+}
+
 TEST(CountingAllocator, ScopesEndedOutOfOrderLeaveNoDanglingCounter) {
   CountingAllocatorUse use;
   auto a = std::make_shared<MemoryCounter>();

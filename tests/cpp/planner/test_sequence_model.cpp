@@ -81,6 +81,34 @@ TEST(KeepAllCeiling, AddsWhatThePlanDroppedUntilEachCallsLastReplay) {
   EXPECT_EQ(keep_all_ceiling(t, fwd_end, {60}, dropped, 0), std::numeric_limits<int64_t>::max());
 }
 
+// Note [Dropped bytes still alive]: dropped values the step held anyway (autocast's cast cache until the end of its
+// region) are in bytes(t) and in the call's dropped bytes: counted once.
+TEST(KeepAllCeiling, CountsDroppedValuesStillAliveOnce) {
+  std::vector<TimedBytes> t = two_call_timeline();
+  t[6].replay_bytes = 300;  // as in AddsWhatThePlanDroppedUntilEachCallsLastReplay: 460 at 50, 440 at 22
+  t[7].replay_bytes = 20;
+  t[8].replay_bytes = 500;
+  const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0), 460);
+  t[3].dropped_alive = 30;  // of call 0's 40, 30 were still alive at 22 (and at 50)
+  t[7].dropped_alive = 30;
+  // 22: 400 - 30 + 40; 35: 260 + 110; 50: 420 - 20 + 20 - 30 + 40.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0), 430);
+}
+
+// A block input held only for the replays (autocast cast it first; the forward saved the cast) is not held by
+// keeping everything: from the call's forward end to the step's end.
+TEST(KeepAllCeiling, LeavesOutWhatACallHeldOnlyForItsReplays) {
+  const std::vector<TimedBytes> t = two_call_timeline();
+  const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};
+  // At 22: 400 + 40 pending - call 0's 16 held. At 35: 260 + 110 - 16 - 8. At 41 (call 1 released, still held):
+  // 500 + 40 - 24. At 50: 420 + 40 - 24. At 61: 610 - 24, the largest; without `held`, 610 too (both released).
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {16, 8}), 586);
+  // Call 0 held 100 for its replays: 440 at 41, 510 at 61.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {100, 0}), 510);
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {16}), std::numeric_limits<int64_t>::max());
+}
+
 TEST(SequencePeakModel, ABaselineShiftMovesEveryPrediction) {
   const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
   SequencePeakModel m = SequencePeakModel::calibrate(p, {10, 20}, {50, 60});

@@ -17,6 +17,12 @@
 //    counter's peak while in the phase, and bytes allocated in the phase still alive. With a timeline enabled
 //    it also keeps (time, bytes, phase, replay bytes alive) points, bounded: when full, adjacent pairs are
 //    merged keeping the point of the larger value, so the peak is never lost.
+//  * Note [Dropped bytes still alive]. A counted allocation can be marked (mark_dropped_alive): a tensor tapesac
+//    dropped still lives on it because something else holds it (autocast's cast cache, a module that stored its
+//    activation, a later block). Until it is unmarked or freed its bytes are also in the counter's
+//    `dropped_alive()` gauge and in every timeline point's `dropped_alive_bytes`, so a reader of the timeline can
+//    tell when such bytes died (the cast cache is cleared at the end of the autocast region, which is not the end
+//    of the forward nor the start of the backward).
 //  * Thread-safe: gauges are atomics; the timeline has a mutex (taken only when a timeline is enabled).
 #pragma once
 
@@ -46,6 +52,7 @@ struct TimelinePoint {
   int64_t bytes = 0;  // the counter's current bytes after the event
   Phase phase = Phase::kForward;
   int64_t replay_bytes = 0;  // of `bytes`, those allocated in the replay phase and still alive (rebuilt values)
+  int64_t dropped_alive_bytes = 0;  // of `bytes`, those marked dropped but still alive (Note [Dropped bytes still alive])
 };
 
 class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
@@ -54,7 +61,12 @@ class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
   explicit MemoryCounter(size_t timeline_points = 0);
 
   void on_alloc(int64_t bytes, Phase phase) noexcept;
-  void on_free(int64_t bytes, Phase alloc_phase) noexcept;
+  /// `dropped_alive`: the allocation was marked (Note [Dropped bytes still alive]); its bytes leave that gauge too.
+  void on_free(int64_t bytes, Phase alloc_phase, bool dropped_alive = false) noexcept;
+  /// `bytes` of the counter's allocations were marked (> 0) or unmarked / freed while marked (< 0) as dropped but
+  /// still alive (Note [Dropped bytes still alive]); records a timeline point.
+  void on_dropped_alive(int64_t bytes) noexcept;
+  int64_t dropped_alive() const noexcept { return dropped_alive_.load(std::memory_order_relaxed); }
 
   void set_phase(Phase p) noexcept;
   Phase phase() const noexcept { return static_cast<Phase>(phase_.load(std::memory_order_relaxed)); }
@@ -82,7 +94,7 @@ class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
   void record(int64_t bytes) noexcept;
 
   std::shared_ptr<MemoryCounter> parent_;
-  std::atomic<int64_t> current_{0}, peak_{0}, allocated_{0}, allocations_{0}, window_peak_{0};
+  std::atomic<int64_t> current_{0}, peak_{0}, allocated_{0}, allocations_{0}, window_peak_{0}, dropped_alive_{0};
   std::array<PhaseAtomics, kNumPhases> phases_;
   std::atomic<uint8_t> phase_{0};
   int64_t start_ns_;
@@ -117,5 +129,13 @@ class ScopedCounter {
 
 /// The innermost counter active on this thread (nullptr when none).
 MemoryCounter* active_counter() noexcept;
+
+/// Marks the counted allocation whose data pointer is `data` as holding a dropped tensor that is still alive (Note
+/// [Dropped bytes still alive]): its bytes join the dropped_alive() gauge of every counter that counted it, until
+/// unmark_dropped_alive() or its free. Returns the bytes marked: 0 when `data` is not a counted allocation (made
+/// outside any counter, on the GPU) or is marked already. Any thread.
+int64_t mark_dropped_alive(const void* data) noexcept;
+/// Takes a mark back (no-op when `data` is not marked, or freed already). Any thread.
+void unmark_dropped_alive(const void* data) noexcept;
 
 }  // namespace tapesac::allocator

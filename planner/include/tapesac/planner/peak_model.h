@@ -34,6 +34,9 @@ struct TimedBytes {
   int64_t bytes = 0;
   /// Of `bytes`, those the replays allocated that are still alive (rebuilt values, transients of a running replay).
   int64_t replay_bytes = 0;
+  /// Of `bytes`, those of dropped values still alive, from their call's forward end to its first unpack (Note
+  /// [Dropped bytes still alive] in allocator/telemetry.h).
+  int64_t dropped_alive = 0;
 };
 
 /// One moment of a backward window (Note [Backward levels]): the bytes in use less the replays' bytes alive
@@ -77,16 +80,24 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
 /// reads the measured timeline instead: keeping everything holds, at each moment t, at most what the step held then
 /// (the plan's kept bytes, and its replays' rebuilt values in place of the values keeping everything would hold)
 /// plus the bytes the plan dropped from every call whose forward had ended and whose last replay had not begun yet
-/// (values that keeping everything would hold then and the step did not). So
-///   ceiling = max_t ( bytes(t) + offset + sum_{k: forward_end_k <= t < release_k} dropped_k ).
-/// For a step that kept everything (dropped_k = 0) it is the measured peak. It is not a bound when a kept value
+/// (values that keeping everything would hold then and the step did not), less the dropped values the step held
+/// anyway then (`dropped_alive`: autocast's cast cache until the end of its region, a module that stored them; they
+/// are in bytes(t) and in dropped_k), and less what each call held only for its replays (`held_bytes`: a block
+/// input the forward did not save, as when autocast casts it first — keeping everything frees it; as in the
+/// sequence model, it is taken as held from the call's forward end, and the call lets go of it at the step's end).
+/// So
+///   ceiling = max_t ( bytes(t) - dropped_alive(t) + offset + sum_{k: forward_end_k <= t < release_k} dropped_k
+///             - sum_{k: forward_end_k <= t} held_k ).
+/// (The autocast case of test_user_holes.py on one intra-op thread: 538,504 without either correction, 489,352 with
+/// them, the measured peak of keeping everything.) For a step that kept everything (dropped_k = 0) it is the
+/// measured peak. It is not a bound when a kept value
 /// outlives its rebuilt copy (the GRU stack of test_user_holes.py: by 640 bytes); the planner takes the lower of it
 /// and the model's keep-everything figure.
 /// `release_ns[k]` < 0: the call never replayed (its dropped bytes count to the end). Returns INT64_MAX for an empty
 /// timeline or mismatched sizes (no bound).
 int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
                          const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
-                         int64_t offset);
+                         int64_t offset, const std::vector<int64_t>& held_bytes = {});
 
 /// What a measured step held besides the kept bytes of its plan, per block call in forward order (Note [Sequence
 /// model in unusual steps]); empty vectors mean zeros.

@@ -81,13 +81,17 @@ StepPlan plan_step(const StepInput& input, const PeakModel& model, int64_t limit
 /// <= B) for the largest B whose plan fits (see Note [Sequence search] in step.cpp); predicted, smallest feasible
 /// and keep-everything peaks are the sequence model's. Throws InfeasibleLimitError when the least-memory plan does
 /// not fit. replay_cost_lower_bound_ns is the additive problem's bound at the chosen budget. Every call then gets the
-/// cheapest of its point's schedules that keeps the prediction under the limit. A limit within
-/// keep_everything_tolerance() below the keep-everything prediction keeps everything (byte accounting tolerance: such
-/// a plan may run over the limit by up to the tolerance; runtime::Runtime flags the step and plans below it next).
+/// cheapest of its point's schedules that keeps the prediction under the limit. A limit at or above the
+/// keep-everything prediction keeps everything (the runtime bounds that prediction by the measured timeline: Note
+/// [Keep-everything ceiling] in peak_model.h).
 StepPlan plan_step(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes);
 
-/// max(4 KiB, 0.01% of the keep-everything peak): how far below that peak a limit still keeps everything.
-int64_t keep_everything_tolerance(int64_t keep_all_peak_bytes);
+/// Every call at its frontier's least-memory point (the first: forced_keep() plus the candidates that cost no bytes)
+/// with the single replay: the masks policy "full" runs with, as auto's measuring step did. Its figures but the
+/// predicted peak (0: the caller knows it from the measuring step) are filled in. Throws tapesac::Error (kConfig)
+/// for a call referencing a missing or empty frontier.
+StepPlan least_memory_plan(const StepInput& input);
+
 
 /// Per-call kept bytes and working sets of a plan, in call order (what SequencePeakModel::predict takes).
 void plan_profile(const StepPlan& plan, std::vector<int64_t>* kept, std::vector<int64_t>* ws);

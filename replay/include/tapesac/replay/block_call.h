@@ -160,6 +160,8 @@ class BlockCall : public capture::RecorderListener,
   void observe(const KeepDecision& d);
   void prepare_approx(KeepDecision& d);
   std::vector<Read> drop(const KeepDecision& d);
+  /// Takes back the allocator marks drop() set on dropped storages still alive (Note [Dropped bytes still alive]).
+  void unmark_alive() noexcept;
   void trim_live(const std::vector<Read>& targets);
 
   // One replay of the schedule's segment (Note [Replay schedule] in schedule.h; block_call_schedule.cpp).
@@ -276,6 +278,8 @@ class BlockCall : public capture::RecorderListener,
   std::optional<std::vector<int32_t>> alive_dropped_slots_;
   std::unordered_set<ValueId> alive_at_unpack_;
   int64_t held_for_replay_bytes_ = 0;
+  // Data pointers of the dropped storages drop() marked alive, until the call's first unpack or the step's end.
+  std::vector<const void*> marked_alive_;
   // The first backward's rebuilt values (weak), and those still alive when a second backward over the graph began.
   std::vector<std::pair<ValueId, c10::weak_intrusive_ptr<c10::StorageImpl>>> rebuilt_first_round_;
   std::vector<int32_t> rebuilt_alive_at_second_;

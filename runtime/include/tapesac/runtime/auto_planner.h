@@ -67,8 +67,11 @@ struct AutoPlannerOptions {
 
 /// The message of an infeasible limit: the user's limit, the smallest feasible step peak and what it is made of, and
 /// how to fix it ("Raise memory_limit to at least N bytes, ..."). `margin_bytes`: what the planner held back from the
-/// user's limit for its prediction error (planned under limit - margin); the figure named includes it.
-std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes = 0);
+/// user's limit for its prediction error (planned under limit - margin); the figure named includes it, unless
+/// `measured_full_bytes` (the step peak the masks of policy "full" measured, shifted to the step's baseline; Note
+/// [Measured fallback] in runtime.h) is lower: a limit at it runs.
+std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes = 0,
+                                     int64_t measured_full_bytes = INT64_MAX);
 
 /// Plans policy "auto" for one Session. Registers itself as the session's tape observer for its lifetime; the
 /// session must outlive it.
@@ -86,12 +89,20 @@ class AutoPlanner {
   /// `measured_peak` bytes, and installs the plan in the session. Returns the planner's part of PlanInfo (reserve,
   /// margin, reason and step are the caller's). Throws tapesac::Error: kGeneric before any observed call,
   /// kMemoryLimit when no plan fits the limit. `margin_bytes`: the replan margin already taken off the user's limit
-  /// (`limit` + margin is the user's), for the error message.
-  PlanInfo plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes = 0);
+  /// (`limit` + margin is the user's), and `measured_full_bytes` (infeasible_limit_message), for the error message.
+  PlanInfo plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes = 0, int64_t measured_full_bytes = INT64_MAX);
+
+  /// Installs planner::least_memory_plan of the observed calls (the masks and single replays auto's measuring
+  /// step ran with) and returns its PlanInfo with `predicted_peak` as its prediction (a measured figure: Note
+  /// [Measured fallback] in runtime.h). Throws tapesac::Error (kGeneric) before any observed call.
+  PlanInfo plan_least_memory(int64_t predicted_peak);
+
+  /// The tape signatures of the calls observed since begin_step(), in step order.
+  std::vector<uint64_t> call_signatures() const;
 
   /// The step-level frontier of the last step's problems with the op costs measured so far: the best plan at
   /// `points` (>= 2) limits spread between the smallest feasible peak and the keep-everything peak, under the peak
-  /// model of the last plan. Throws tapesac::Error (kGeneric) before the first plan.
+  /// model and the keep-everything ceiling of the last plan. Throws tapesac::Error (kGeneric) before the first plan.
   std::vector<FrontierPoint> frontier(int points) const;
 
   /// The last observed problem of the block call `index` in planner text format (for fixtures and debugging).
@@ -136,6 +147,11 @@ class AutoPlanner {
   planner::StepProfile step_profile(planner::StepExtras* extras = nullptr) const;
   planner::StepPlan plan_step(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
                               int64_t limit) const;
+  /// plan_step with keeping everything predicted at the lower of the model's figure and `ceiling` (Note
+  /// [Keep-everything ceiling]): a limit at (or a few bytes per call below) the ceiling keeps everything. Throws
+  /// planner::InfeasibleLimitError naming at most the ceiling.
+  planner::StepPlan plan_under_ceiling(const planner::StepInput& input, bool sequence, const planner::PeakModel& model,
+                                       int64_t limit, int64_t ceiling) const;
   /// The keep-everything ceiling of the last step (planner::keep_all_ceiling; Note [Keep-everything ceiling] in
   /// planner/peak_model.h; a step that kept everything: its measured peak); INT64_MAX when its spans do not say
   /// when calls ran.
@@ -156,6 +172,7 @@ class AutoPlanner {
   planner::SequencePeakModel seq_;
   int64_t seq_baseline_ = 0;  // the baseline of the step seq_ was calibrated on
   bool last_used_seq_ = false;
+  int64_t last_ceiling_ = INT64_MAX;  // the keep-everything ceiling of the step the last plan was made after
   planner::StepInput last_input_;
 };
 

@@ -26,7 +26,8 @@ BlockProblem problem_from_tape(const capture::Tape& tape, const std::vector<int3
       if (std::find(op.inputs.begin(), op.inputs.end(), a.value) == op.inputs.end()) op.inputs.push_back(a.value);
     }
     for (capture::ValueId v : rec.outputs) {
-      if (v >= 0) op.outputs.push_back(v);
+      // An output on a storage the block did not create has the external producer's semantics (below).
+      if (v >= 0 && !tape.storage(tape.value(v).storage).external) op.outputs.push_back(v);
     }
     op.replayable = !rec.has(capture::kWritesExternal) && !rec.has(capture::kNonReplayable);
     op.name = capture::op_kind_name(rec.kind);
@@ -36,12 +37,15 @@ BlockProblem problem_from_tape(const capture::Tape& tape, const std::vector<int3
   for (const capture::ValueInfo& v : tape.values()) {
     PlanValue pv;
     pv.bytes = std::max<int64_t>(0, tape.storage(v.storage).nbytes);
-    pv.producer = v.producer;
+    // A value on a storage the block did not create is resident anyway: replay reads it live (Note [Live reads] in
+    // replay/prune.h: a saved one is kept and available; another is at most a view op away), so it gets the external
+    // producer's semantics — rebuilding a candidate stops there, as replay's does. Its producer may be an op replay
+    // never runs (aten::lift_fresh over numpy's bytes in a custom Function): a candidate that truly needs it is
+    // must_keep. The planner never counts such a storage.
+    pv.producer = tape.storage(v.storage).external ? kExternalProducer : v.producer;
     pv.storage = v.storage;
     p.values.push_back(pv);
   }
-  // A storage with an external member is resident anyway: give its values the external producer's semantics by
-  // leaving them on the shared storage (the planner never counts such a storage).
   p.candidates = candidates;
   p.must_keep = must_keep;
   return p;

@@ -580,7 +580,7 @@ namespace {
 // takes its cheapest schedule that keeps the prediction under the target: the limit, or without one the least peak
 // plus a slack. The last bytes of the least peak can cost many times the replay (recomputing everything for each
 // segment); the slack (AutoPlannerOptions::least_peak_slack) trades them for time.
-StepPlan plan_fixed(const StepInput& in, int64_t limit_bytes, double slack,
+StepPlan plan_fixed(const StepInput& in, int64_t limit_bytes, double slack, double time_budget,
                     const std::function<std::function<int64_t(const std::vector<int64_t>&)>(const StepPlan&)>& model) {
   StepPlan plan;
   for (int32_t f : in.calls) {
@@ -596,6 +596,8 @@ StepPlan plan_fixed(const StepInput& in, int64_t limit_bytes, double slack,
     ws.push_back(plan.calls[j].working_set_bytes);
   }
   plan.keep_all_peak_bytes = predict(ws);  // the single replays
+  double single_cost = 0;
+  for (const CallPlan& c : plan.calls) single_cost += c.replay_cost_ns;
   for (size_t j = 0; j < plan.calls.size(); ++j) {
     const CallChoices ch = call_choices(in, plan.calls[j]);
     const size_t least = static_cast<size_t>(std::min_element(ch.ws.begin(), ch.ws.end()) - ch.ws.begin());
@@ -604,26 +606,53 @@ StepPlan plan_fixed(const StepInput& in, int64_t limit_bytes, double slack,
   }
   const int64_t least_peak = predict(ws);
   if (limit_bytes > 0 && least_peak > limit_bytes) throw InfeasibleLimitError(limit_bytes, least_peak);
-  const auto target = limit_bytes > 0 ? limit_bytes
-                                      : least_peak + static_cast<int64_t>(slack * static_cast<double>(least_peak));
-  cheapest_fitting(in, plan, target, predict);
-  plan.min_feasible_peak_bytes = least_peak;
-  plan.replay_cost_lower_bound_ns = plan.replay_cost_ns;
-  return plan;
+  auto cheapest_under = [&](int64_t target) {
+    StepPlan p = plan;
+    cheapest_fitting(in, p, target, predict);
+    return p;
+  };
+  StepPlan out;
+  if (limit_bytes <= 0 && time_budget >= 0) {
+    // Note [Replay time budget]: the least target whose cheapest schedules cost at most (1 + budget) x the single
+    // replays. The cost of cheapest_under(target) falls as the target rises (each call takes the cheapest schedule
+    // that fits), so a bisection between the least peak and the single replays' peak finds it.
+    const double allowed = single_cost * (1 + time_budget);
+    int64_t lo = least_peak;
+    int64_t hi = std::max(least_peak, plan.keep_all_peak_bytes);
+    out = cheapest_under(hi);
+    for (int it = 0; it < 48 && lo < hi; ++it) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      StepPlan p = cheapest_under(mid);
+      if (p.replay_cost_ns <= allowed) {
+        out = std::move(p);
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+  } else {
+    out = cheapest_under(limit_bytes > 0 ? limit_bytes
+                                         : least_peak + static_cast<int64_t>(slack * static_cast<double>(least_peak)));
+  }
+  out.min_feasible_peak_bytes = least_peak;
+  out.replay_cost_lower_bound_ns = out.replay_cost_ns;
+  return out;
 }
 
 }  // namespace
 
-StepPlan plan_schedules(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes, double slack) {
+StepPlan plan_schedules(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes, double slack,
+                        double time_budget) {
   TAPESAC_CHECK(model.valid && model.backward_c.size() == input.calls.size(), kConfig,
                 "plan_schedules: the sequence peak model has ", model.backward_c.size(), " calls, the step ",
                 input.calls.size());
-  return plan_fixed(input, limit_bytes, slack,
+  return plan_fixed(input, limit_bytes, slack, time_budget,
                     [&model](const StepPlan& p) { return sequence_predictor(model, p); });
 }
 
-StepPlan plan_schedules(const StepInput& input, const PeakModel& model, int64_t limit_bytes, double slack) {
-  return plan_fixed(input, limit_bytes, slack, [&model](const StepPlan& p) {
+StepPlan plan_schedules(const StepInput& input, const PeakModel& model, int64_t limit_bytes, double slack,
+                        double time_budget) {
+  return plan_fixed(input, limit_bytes, slack, time_budget, [&model](const StepPlan& p) {
     int64_t kept = 0;
     for (const CallPlan& c : p.calls) kept += c.kept_bytes;
     return std::function<int64_t(const std::vector<int64_t>&)>([&model, kept](const std::vector<int64_t>& ws) {

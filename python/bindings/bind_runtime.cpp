@@ -40,10 +40,11 @@ py::dict plan_to_dict(const runtime::PlanInfo& p, bool with_calls) {
 using TrialTuple = std::tuple<std::string, int64_t, double>;  // (mode, peak bytes, cost ms)
 
 std::unique_ptr<Runtime> make_runtime(replay::Session& session, bool plan, int64_t memory_limit,
-                                      const std::string& preserve, bool schedules) {
+                                      const std::string& preserve, bool schedules, double schedule_budget) {
   runtime::RuntimeOptions o;
   o.plan = plan;
   o.schedules = schedules;
+  o.planner.schedule_time_budget = schedule_budget;  // < 0: the least peak (plus AutoPlannerOptions' peak slack)
   o.memory_limit = memory_limit;
   o.preservation.policy = runtime::parse_preserve_policy(preserve);
   return std::make_unique<Runtime>(session, o);
@@ -98,7 +99,8 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("observed_calls", &runtime::AutoPlanner::observed_calls);
   py::class_<Runtime> c(m, "Runtime");
   c.def(py::init(&make_runtime), py::arg("session"), py::arg("plan"), py::arg("memory_limit"),
-        py::arg("preserve"), py::arg("schedules") = false, py::keep_alive<1, 2>())
+        py::arg("preserve"), py::arg("schedules") = false, py::arg("schedule_budget") = -1.0,
+        py::keep_alive<1, 2>())
       .def("before_step", &Runtime::before_step)
       .def("after_step", &Runtime::after_step, py::arg("measured_peak_bytes"), py::arg("step"))
       .def("set_memory_limit", &Runtime::set_memory_limit, py::arg("bytes"))

@@ -24,7 +24,7 @@ Backend = Literal["auto", "eager", "cuda_graph", "emulated_graph"]
 GraphTiming = Literal["first", "every", "off"]
 Contract = Literal["check", "strict", "off"]
 Preserve = Literal["auto", "regions", "snapshots", "keep", "off"]
-Schedule = Literal["one_segment", "planned", "hold_all", "lazy"]
+Schedule = Literal["auto", "one_segment", "planned", "hold_all", "lazy"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 GRAPH_TIMINGS: tuple[str, ...] = get_args(GraphTiming)
 CONTRACTS: tuple[str, ...] = get_args(Contract)
@@ -137,13 +137,20 @@ class Config:
         "divergent, or approximated with ``approx``, bytes, time) is appended to it; ``TapeSAC.last_records`` holds "
         "the last step's.", None)
     schedule: Schedule = _doc(
-        "when a block's backward replays its dropped values (README, \"Memory limit and the planner\"): "
-        "``\"one_segment\"`` all of them at its first unpack (the default), ``\"planned\"`` in segments by the "
-        "order backward unpacks them, planned between steps from the measured op costs and bytes (experimental: "
-        "``\"full\"``, op sets and callables for the least peak or under ``memory_limit``, ``\"auto\"`` with its keep "
-        "plan; not with ``approx``), ``\"hold_all\"`` one segment per value holding what later segments read (no "
-        "recompute), ``\"lazy\"`` one segment per value holding nothing (the least alive, the most recompute).",
-        "one_segment")
+        "when a block's backward replays its dropped values (README, \"Replay schedules\"): ``\"auto\"`` (the "
+        "default) is ``\"planned\"`` for policies ``\"full\"``, op sets and callables and ``\"one_segment\"`` "
+        "for ``\"auto\"``, ``\"none\"`` and with ``approx``; ``\"one_segment\"`` all of them at its first "
+        "unpack; ``\"planned\"`` in segments by the order backward unpacks them, planned between steps from the "
+        "measured op costs and bytes (``\"full\"``, op sets and callables: within ``schedule_budget``, or under "
+        "``memory_limit``, where a block call without a plan yet replays lazily; ``\"auto\"`` with its keep plan, "
+        "experimental; not with ``approx``); ``\"hold_all\"`` one segment per value holding what later segments "
+        "read (no recompute); ``\"lazy\"`` one segment per value holding nothing (the least alive, the most "
+        "recompute).", "auto")
+    schedule_budget: float | None = _doc(
+        "with planned schedules and no ``memory_limit`` (policies ``\"full\"``, op sets, callables): the extra "
+        "replay time the schedules may cost to lower the step peak, as a fraction of one replay per block call "
+        "(predicted from measured op times; 0: only schedules that replay no more than one segment would). None: "
+        "the least peak any schedules reach (within 2%), whatever it costs.", 0.1)
 
     def __post_init__(self) -> None:
         parse_memory_limit(self.memory_limit)  # the syntax; TapeSAC resolves percentages on the model's device
@@ -159,6 +166,11 @@ class Config:
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ConfigError(f"{name} must be a file path (str or os.PathLike) for the {what}, got "
                                   f"{type(value).__name__}")
+        budget = self.schedule_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not 0 <= budget <= 100):
+            raise ConfigError(f"schedule_budget must be None or a number in [0, 100] (extra replay time as a fraction "
+                              f"of one replay per block call, e.g. 0.1), got {budget!r}")
         if self.approx is not None and not isinstance(self.approx, Approx):
             raise ConfigError(f"approx must be a tapesac.Approx(fraction=..., method=..., targets=...) or None, got "
                               f"{type(self.approx).__name__}")
@@ -178,6 +190,18 @@ class Config:
     def replace(self, **options: Any) -> "Config":
         """A copy with some options changed (validated again)."""
         return Config.from_options({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **options})
+
+
+def resolve_schedule(schedule: str, policy_label: str, approx: bool) -> str:
+    """The schedule a TapeSAC runs (Config.schedule): ``"auto"`` is ``"planned"`` for the policies that choose what
+    they keep themselves ("full", op sets, callables) and ``"one_segment"`` for ``"auto"`` (whose planned
+    schedules are experimental), ``"none"`` (nothing is replayed) and with ``approx`` (approximate replays run as one
+    segment); ``"planned"`` is ``"one_segment"`` under "none" and with approx."""
+    if schedule == "auto":
+        return "planned" if policy_label not in ("auto", "none") and not approx else "one_segment"
+    if schedule == "planned" and (policy_label == "none" or approx):
+        return "one_segment"
+    return schedule
 
 
 def options_doc() -> str:

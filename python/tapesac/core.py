@@ -25,7 +25,7 @@ from torch import nn
 from . import _C
 from .attach import Attachment, check_not_attached
 from .blocks import model_device, resolve_backend, resolve_blocks
-from .config import Approx, Config, options_doc
+from .config import Approx, Config, options_doc, resolve_schedule
 from .conflicts import Conflicts
 from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
@@ -116,11 +116,12 @@ class TapeSAC:
         self._limit = limit or 0
         # Between steps (runtime/runtime.h): the planner of policy "auto" and the preservation choice.
         # schedule="planned": the planner also plans the replay schedules (of "full", op sets, callables: only those).
+        self.schedule = resolve_schedule(cfg.schedule, self._policy_label, cfg.approx is not None)
         self._runtime = _C.Runtime(self._session, plan=self._policy_label == "auto", memory_limit=self._limit,
-                                   preserve=preserve if check else "off",
-                                   schedules=cfg.schedule == "planned" and self._policy_label != "none" and cfg.approx is None)
-        if cfg.schedule in ("hold_all", "lazy"):
-            self._session.force_schedule(cfg.schedule)
+                                   preserve=preserve if check else "off", schedules=self.schedule == "planned",
+                                   schedule_budget=-1.0 if cfg.schedule_budget is None else float(cfg.schedule_budget))
+        if self.schedule in ("hold_all", "lazy"):
+            self._session.force_schedule(self.schedule)
         self._planner = self._runtime.planner  # None unless policy "auto" or schedule="planned"
         self._log = StepLog(cfg.log, cfg.records)
         self._hooks = StepHooks(self._session, self._blocks)

@@ -36,8 +36,10 @@ ReplaySchedule BlockCall::default_schedule(const std::vector<Read>& targets) con
   for (const Read& r : targets) {
     if (!listed[static_cast<size_t>(r.value)]) order.push_back(r.value);
   }
-  // Without a plan or a forced shape: one segment (every dropped value replayed at the first unpack).
+  // Without a plan or a forced shape: the session's unplanned shape (one segment: every dropped value replayed at the
+  // first unpack; or lazy, under a limit until a plan exists).
   ForcedSchedule shape = options_.forced_schedule;
+  if (shape == ForcedSchedule::kNone) shape = options_.unplanned_schedule;
   if (shape == ForcedSchedule::kNone) shape = ForcedSchedule::kOneSegment;
   if (shape == ForcedSchedule::kOneSegment) return one_segment(std::move(order));
   ReplaySchedule s = per_value_segments(std::move(order));

@@ -102,6 +102,11 @@ void Session::shutdown() noexcept {
   graphs_.reset();  // the graphs' static memory goes now, not when the Session object does
 }
 
+void Session::set_unplanned_schedule(ForcedSchedule shape) {
+  TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: the schedule of unplanned block calls can only be set between steps");
+  options_.unplanned_schedule = shape == ForcedSchedule::kNone ? ForcedSchedule::kOneSegment : shape;
+}
+
 void Session::force_schedule(ForcedSchedule shape) {
   TAPESAC_CHECK(!in_step_, kGeneric, "tapesac: a replay schedule can only be forced between steps");
   options_.forced_schedule = shape;

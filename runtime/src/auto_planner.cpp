@@ -164,8 +164,9 @@ planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool s
                                          const planner::PeakModel& model, int64_t limit) const {
   if (options_.fixed_masks) {
     const double slack = options_.least_peak_slack;
-    return sequence ? planner::plan_schedules(input, seq_, limit, slack)
-                    : planner::plan_schedules(input, model, limit, slack);
+    const double budget = options_.schedule_time_budget;
+    return sequence ? planner::plan_schedules(input, seq_, limit, slack, budget)
+                    : planner::plan_schedules(input, model, limit, slack, budget);
   }
   return sequence ? planner::plan_step(input, seq_, limit) : planner::plan_step(input, model, limit);
 }

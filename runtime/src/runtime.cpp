@@ -30,6 +30,15 @@ Runtime::Runtime(replay::Session& session, RuntimeOptions options)
     planner_ = std::make_unique<AutoPlanner>(session_, o);
     fixed_masks_ = true;
   }
+  apply_unplanned_schedule();
+}
+
+void Runtime::apply_unplanned_schedule() {
+  // Planned schedules of the policies that keep what they choose: under a limit, a call without a plan yet (the
+  // first step, a new tape) replays lazily, the least it can hold, so that the limit is met before a plan exists.
+  if (fixed_masks_) {
+    session_.set_unplanned_schedule(limit_ > 0 ? replay::ForcedSchedule::kLazy : replay::ForcedSchedule::kOneSegment);
+  }
 }
 
 int64_t Runtime::before_step() {
@@ -128,6 +137,7 @@ void Runtime::set_memory_limit(int64_t bytes) {
   session_.set_memory_limit(bytes);
   session_.set_graph_memory_limit(bytes);
   limit_ = bytes;
+  apply_unplanned_schedule();
   if (chooser_.set_limit(bytes)) chooser_.apply(session_);
   if (planner_ && plan_) {
     plan_.reset();  // re-plan after the next step, under the new limit

@@ -476,7 +476,8 @@ def test_500_steps_flat_memory() -> None:
         assert set(after_bytes) == {0}, f"bytes alive after a step (should be 0): {sorted(set(after_bytes))}"
         assert max(peaks[-100:]) <= max(peaks[:100]), (
             f"the step peak grows: first 100 steps max {max(peaks[:100])}, last 100 max {max(peaks[-100:])}")
-        stats = sac.history
+        # From the second step on: the first measures the unpack order that "full"'s planned replay schedules follow.
+        stats = [s for s in sac.history if s.step > 1]
         assert len({(s.ops_recorded, s.saved_tensors, s.dropped_bytes, s.ops_replayed) for s in stats}) == 1, (
             "identical steps produced different statistics")
     finally:

@@ -56,7 +56,8 @@ def test_one_graph_serves_every_identical_block() -> None:
     first, second = res.all_stats
     assert [b.graph_warmups for b in first.blocks] == [0, 0, 1]  # the backward replays the last block first
     assert first.graph_captures == 1 and first.graph_replays == 2
-    assert second.graph_captures == 0 and second.graph_replays == 3
+    # Every replay launches the graph (one per block call with one segment; planned schedules launch per segment).
+    assert second.graph_captures == 0 and second.graph_replays == second.replays >= 3
     assert res.sac._session.graph_count == 0  # reference_check closed the TapeSAC: close() releases its graphs
     for b in second.blocks:
         # Only the ops the backward needs run: the graph's other nodes are disabled.
@@ -83,7 +84,7 @@ def test_strict_contract_checks_graph_outputs_bytewise() -> None:
     s = scenario("hf_llama")
     res = reference_check(s.make_model, s.make_inputs, "full", s.blocks, s.loss_fn, steps=2,
                           block_calls=s.block_calls, sac_kwargs={**GRAPH, "contract": "strict"})
-    assert res.stats.graph_replays == 3
+    assert res.stats.graph_replays == res.stats.replays >= 3
     assert res.stats.record_counts.get("match", 0) > 0 and set(res.stats.record_counts) == {"match"}
 
 

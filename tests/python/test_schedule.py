@@ -178,11 +178,21 @@ def test_a_limit_below_every_schedule_raises_naming_a_peak() -> None:
            "limit infeasible",
     strict=False))])
 def test_planned_schedules_go_below_the_one_segment_peak(policy: str) -> None:
-    """A limit 1.5% below the one-segment peak of 'full' (today's floor, also auto's without schedules): with
-    schedule='planned' the first step is over it (flagged), the planned steps after it are within it."""
+    """A limit 1.5% below the one-segment peak of 'full' (auto's floor without schedules): with schedule='planned'
+    the last planned steps are within it. Policy 'full': the first step is within it too (a block call without a plan
+    replays lazily under a limit); the first plan, calibrated on that lazy step, may run over it once (measured: one
+    segment predicted at 1,159,752 bytes, run at 1,179,112 — the sequence model's backward term takes a window's
+    peak less the whole working set of the schedule that ran), flagged, and the next plan keeps that error as a
+    margin. Auto's measuring step (one segment, no limit) is over it (flagged)."""
     limit, stats, error = _steps_under_limit(policy, 0.985, schedule="planned")
     assert error is None
-    assert stats[0].over_limit
+    assert all(st.over_limit == (st.memory.peak_bytes > limit) for st in stats)
+    if policy == "full":
+        assert not stats[0].over_limit, [st.memory.peak_bytes for st in stats]
+        assert stats[0].blocks[0].segments > 1  # the first step's calls replayed lazily
+        assert sum(st.over_limit for st in stats) <= 1, [st.memory.peak_bytes for st in stats]
+    else:
+        assert stats[0].over_limit and limit < stats[0].memory.peak_bytes
     assert not stats[-1].over_limit and not stats[-2].over_limit
-    assert stats[-1].memory.peak_bytes <= limit < stats[0].memory.peak_bytes
+    assert stats[-1].memory.peak_bytes <= limit
     assert max(b.segments for b in stats[-1].blocks) > 1

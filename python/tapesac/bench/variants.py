@@ -293,11 +293,14 @@ def tapesac_variants(ctx: Ctx) -> list[Variant]:
     seen = set(ctx.tapesac.record_ops(lambda: ctx.work.loss()))
     static = frozenset(op for op in TAPESAC_STATIC_CANDIDATES if op in seen)
     short = ",".join(sorted(o.removeprefix("aten::").replace("_scaled_dot_product_", "sdpa_") for o in static))
-    return [
+    out = [
         _tapesac_variant(ctx, "tapesac_none", 'tapesac policy="none"', policy="none"),
         _tapesac_variant(ctx, "tapesac_full", 'tapesac policy="full"', policy="full"),
         _tapesac_variant(ctx, "tapesac_ops", f"tapesac policy={{{short}}}", policy=static),
     ]
+    for v in out[1:]:
+        v.prime_steps = 2  # their default replay schedules are planned after a first step (Config.schedule "auto")
+    return out
 
 
 def _tapesac_floor(ctx: Ctx, above: int) -> int:
@@ -373,14 +376,22 @@ def tapesac_schedule_variants(ctx: Ctx) -> list[Variant]:
     """tapesac with replay schedules (Config.schedule): "full" with the lazy and hold_all shapes and with planned
     schedules (the least predicted peak), and "auto" with planned schedules at 0.9x checkpointing's measured step peak (below the
     one-segment floor)."""
+    one = _tapesac_variant(ctx, "tapesac_full_one_segment", 'tapesac "full", schedule="one_segment"', policy="full",
+                           schedule="one_segment")
     lazy = _tapesac_variant(ctx, "tapesac_full_lazy", 'tapesac "full", schedule="lazy"', policy="full",
                             schedule="lazy")
-    planned = _tapesac_variant(ctx, "tapesac_full_planned", 'tapesac "full", schedule="planned"', policy="full",
-                               schedule="planned")
+    planned = _tapesac_variant(ctx, "tapesac_full_planned", 'tapesac "full", schedule="planned", least peak',
+                               policy="full", schedule="planned", schedule_budget=None)
     hold_all = _tapesac_variant(ctx, "tapesac_full_hold_all", 'tapesac "full", schedule="hold_all"', policy="full",
                                 schedule="hold_all")
     planned.prime_steps = 2
-    out = [lazy, hold_all, planned]
+    out = [one, lazy, hold_all, planned]
+    for pct in (0, 5, 10, 20, 40):  # planned schedules under a replay time budget (Config.schedule_budget)
+        v = _tapesac_variant(ctx, f"tapesac_full_planned_b{pct:02d}",
+                             f'tapesac "full", schedule="planned", schedule_budget={pct / 100:g}', policy="full",
+                             schedule="planned", schedule_budget=pct / 100)
+        v.prime_steps = 2
+        out.append(v)
     for v in out:
         v.optional = True
     ckpt_peak = ctx.results.get(CKPT, {}).get("peak_bytes")

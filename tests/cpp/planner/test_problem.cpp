@@ -5,7 +5,11 @@
 #include <gtest/gtest.h>
 
 #include "planner_test_util.h"
+#include "tapesac/capture/op_kinds.h"
+#include "tapesac/capture/tape.h"
 #include "tapesac/common/errors.h"
+#include "tapesac/planner/evaluate.h"
+#include "tapesac/planner/from_tape.h"
 #include "tapesac/planner/problem.h"
 #include "tapesac/planner/problem_io.h"
 
@@ -33,6 +37,41 @@ void expect_invalid(const BlockProblem& p, const std::string& needle) {
     EXPECT_EQ(e.kind(), ErrorKind::kConfig);
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+// A value on a storage the block did not create is read live by replay (Note [Live reads] in replay/prune.h), so
+// the planner's rebuild stops there even when its producer cannot replay: a custom autograd Function's numpy output
+// enters the tape through aten::lift_fresh over an external storage, and the candidate pow(y, 2) rebuilds with pow
+// alone (before: "keep mask ... drops a candidate whose rebuild needs op #0 (aten::lift_fresh), which is not
+// replayable", thrown by "full"'s planned schedules).
+TEST(PlanProblem, AValueOnAnExternalStorageIsReadLiveWhateverItsProducer) {
+  capture::Tape tape;
+  capture::TensorMeta m;
+  m.sizes = {16};
+  m.strides = {1};
+  m.dtype = 6;
+  m.nbytes = 64;
+  const capture::StorageId ext = tape.add_storage(/*external=*/true, 64);
+  const capture::ValueId x = tape.add_external_value(ext, m);
+  capture::OpRecord lift;
+  lift.kind = capture::intern_op_kind("aten::lift_fresh");
+  lift.flags = capture::kNonReplayable | capture::kView;
+  lift.inputs.push_back(capture::ArgRef{0, -1, x, 0, /*meta_only=*/true, false});
+  const capture::ValueId y = tape.add_output_value(ext, 0, m);
+  lift.outputs.push_back(y);
+  tape.add_op(std::move(lift));
+  capture::OpRecord pow;
+  pow.kind = capture::intern_op_kind("aten::pow.Tensor_Scalar");
+  pow.inputs.push_back(capture::ArgRef{0, -1, y, 0, false, false});
+  const capture::StorageId s = tape.add_storage(/*external=*/false, 64);
+  pow.writes.push_back(s);
+  const capture::ValueId z = tape.add_output_value(s, 1, m);
+  pow.outputs.push_back(z);
+  tape.add_op(std::move(pow));
+  const BlockProblem p = problem_from_tape(tape, {z}, {0}, {1.0, 5.0}, "lift");
+  EXPECT_NO_THROW(validate_problem(p));
+  EXPECT_EQ(replay_ops(p, KeepMask{0}), (std::vector<int32_t>{1}));
+  EXPECT_EQ(replay_cost_ns(p, KeepMask{0}), 5.0);
 }
 
 TEST(PlanProblem, ValidProblemPasses) { EXPECT_NO_THROW(validate_problem(small_problem())); }

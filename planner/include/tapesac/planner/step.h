@@ -106,8 +106,12 @@ const ScheduleChoice* call_schedule(const StepInput& input, const StepPlan& plan
 /// reaches ("full" keeps about the least memory without paying any price for the last bytes; see Note [Fixed masks]
 /// in step.cpp). The StepPlan's min_feasible_peak_bytes is that least peak; keep_all_peak_bytes the peak of the
 /// single replays.
+/// With limit_bytes <= 0 and `time_budget` >= 0 the slack is not used: the schedules of the least predicted peak
+/// whose predicted replay time is at most (1 + time_budget) x that of the single replays (Note [Replay time budget]
+/// in step.cpp; 0: only schedules that cost no more than one replay per call).
 StepPlan plan_schedules(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes,
-                        double slack = 0);
-StepPlan plan_schedules(const StepInput& input, const PeakModel& model, int64_t limit_bytes, double slack = 0);
+                        double slack = 0, double time_budget = -1);
+StepPlan plan_schedules(const StepInput& input, const PeakModel& model, int64_t limit_bytes, double slack = 0,
+                        double time_budget = -1);
 
 }  // namespace tapesac::planner

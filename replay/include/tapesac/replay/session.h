@@ -68,6 +68,9 @@ class Session {
   /// Makes every block call follow `shape` instead of its plan's or its default schedule (schedule.h; tests and
   /// diagnosis). Between steps.
   void force_schedule(ForcedSchedule shape);
+  /// The shape of a block call without a plan's schedule (SessionOptions::unplanned_schedule; kNone means one
+  /// segment). Between steps.
+  void set_unplanned_schedule(ForcedSchedule shape);
   /// The plans by block name (replaces the previous ones). Policy kPlan: a block call whose tape signature differs
   /// from its plan's, or without a plan, runs as "full" (BlockStats::planned == false). Every policy: a block call
   /// whose signature matches its plan's follows the plan's replay schedule, others their default schedule.

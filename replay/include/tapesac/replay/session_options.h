@@ -68,6 +68,9 @@ struct SessionOptions {
   int64_t graph_memory_limit = 0;
   /// A replay schedule shape every block call follows instead of its plan's or the default (schedule.h).
   ForcedSchedule forced_schedule = ForcedSchedule::kNone;
+  /// The shape a block call without a plan's schedule follows when none is forced (schedule.h): one segment, or lazy
+  /// (the least alive: runtime::Runtime's choice for planned schedules under a memory limit, until a plan exists).
+  ForcedSchedule unplanned_schedule = ForcedSchedule::kOneSegment;
   /// Device op times for the planner (capture/op_timer.h, e.g. capture::device_op_timers()); null: CPU clock.
   std::shared_ptr<capture::OpTimerFactory> op_timers;
 

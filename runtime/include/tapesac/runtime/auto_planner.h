@@ -59,6 +59,10 @@ struct AutoPlannerOptions {
   /// Fixed masks without a limit: the schedules may keep the predicted peak this fraction above the least one any
   /// schedules reach, at less replay time (planner::plan_schedules).
   double least_peak_slack = 0.02;
+  /// Fixed masks without a limit, when >= 0 (it then replaces least_peak_slack): the schedules of the least predicted
+  /// peak whose predicted replay time is at most this fraction above that of one replay per call (Note [Replay time
+  /// budget] in planner/src/step.cpp).
+  double schedule_time_budget = -1;
   /// A limit this many bytes per block call below the keep-everything ceiling (Note [Keep-everything ceiling] in
   /// planner/peak_model.h) still keeps everything: the ceiling counts the dropped values in tensor bytes, the
   /// allocator its allocations (the random programs refused at their no-checkpoint peak: 8 to 24 bytes above it).

@@ -4,7 +4,9 @@
 //  * With RuntimeOptions::schedules (policies "full", op sets, callables) the planner plans only the replay schedules
 //    (Note [Replay schedule] in replay/schedule.h): after the first step, after a step with a new tape, and after a
 //    step whose measured peak exceeded the limit (the next plan keeps the model's error below the limit); the limit
-//    is enforced from the first step on, and without a limit the schedules minimise the predicted peak.
+//    is enforced from the first step on, and a call without a plan replays lazily under it (the least it can hold;
+//    Session::set_unplanned_schedule). Without a limit the schedules lower the predicted peak within the replay time
+//    budget (AutoPlannerOptions::schedule_time_budget) or to the least peak.
 //  * before_step() sets the limit the step's replays enforce: policy "auto"'s measuring step (no plan yet) runs
 //    without it, so that an infeasible limit is reported by the planner with the smallest feasible one rather than
 //    by the first replay that does not fit; likewise the steps on which preserve="auto" measures its trials.
@@ -85,6 +87,8 @@ class Runtime {
   /// last step's calls have the same tapes (Note [Measured fallback]); INT64_MAX otherwise.
   int64_t measured_full_peak(int64_t baseline) const;
   void choose_preservation(int64_t measured_peak_bytes);
+  /// With fixed masks: the shape of calls without a plan (lazy under a limit, else one segment).
+  void apply_unplanned_schedule();
 
   replay::Session& session_;
   int64_t limit_;

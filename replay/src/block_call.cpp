@@ -189,7 +189,7 @@ KeepDecision BlockCall::decide() {
     };
   }
   if (in.policy == PolicyKind::kPlan && ctx_.plans != nullptr) {
-    auto it = ctx_.plans->find(name_);
+    auto it = ctx_.plans->find(ctx_.plan_key);
     if (it != ctx_.plans->end()) in.plan = &it->second;
   }
   if (ctx_.keep_dependents != nullptr && !ctx_.keep_dependents->empty()) {

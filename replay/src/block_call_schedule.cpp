@@ -53,7 +53,7 @@ void BlockCall::resolve_schedule(const std::vector<Read>& targets) {
   if (!targets.empty() && !approx_) {  // approximate replays keep the single replay
     const BlockPlan* plan = nullptr;
     if (ctx_.plans != nullptr && options_.forced_schedule == ForcedSchedule::kNone) {
-      const auto it = ctx_.plans->find(name_);
+      const auto it = ctx_.plans->find(ctx_.plan_key);
       if (it != ctx_.plans->end() && it->second.signature == signature_ && !it->second.schedule.order.empty()) {
         plan = &it->second;
       }

@@ -215,4 +215,8 @@ uint64_t tape_signature(const Tape& tape, const std::vector<ValueId>& candidates
   return fnv.value();
 }
 
+std::string plan_key(const std::string& name, int32_t occurrence) {
+  return occurrence <= 0 ? name : name + "#" + std::to_string(occurrence + 1);
+}
+
 }  // namespace tapesac::replay

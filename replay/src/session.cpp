@@ -138,6 +138,9 @@ BlockContext Session::block_context(const std::string& name) {
   }
   auto hint = expected_ops_.find(name);
   c.expected_ops = hint == expected_ops_.end() ? 64 : hint->second + 8;
+  int32_t earlier = 0;  // calls of this block earlier in the step
+  for (const auto& b : blocks_) earlier += b->name() == name ? 1 : 0;
+  c.plan_key = plan_key(name, earlier);
   return c;
 }
 

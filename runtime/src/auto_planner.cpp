@@ -211,6 +211,7 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
 /// figures per call and in total.
 PlanInfo AutoPlanner::install(const planner::StepPlan& plan, const planner::StepInput& input) {
   std::unordered_map<std::string, replay::BlockPlan> plans;
+  std::unordered_map<std::string, int32_t> occurrences;  // calls of each block so far (replay::plan_key)
   PlanInfo out;
   for (size_t i = 0; i < calls_.size(); ++i) {
     const planner::CallPlan& cp = plan.calls[i];
@@ -230,7 +231,7 @@ PlanInfo AutoPlanner::install(const planner::StepPlan& plan, const planner::Step
         if (!cp.keep[k]) bp.schedule.order.push_back(p.candidates[k]);
       }
     }
-    plans.emplace(calls_[i].name, std::move(bp));
+    plans.emplace(replay::plan_key(calls_[i].name, occurrences[calls_[i].name]++), std::move(bp));
     c.name = calls_[i].name;
     c.kept_bytes = cp.kept_bytes;
     c.working_set_bytes = cp.working_set_bytes;
@@ -304,12 +305,19 @@ int64_t AutoPlanner::ran_working_set(size_t j, const planner::BlockProblem& p, c
   const replay::BlockStats* st = j < stats.size() && stats[j].name == c.name ? &stats[j] : nullptr;
   if (st != nullptr && st->planned_ws_bytes > 0) return st->planned_ws_bytes;  // the plan's schedule ran
   if (st == nullptr || st->segments <= 1 || order.values.empty()) return planner::replay_working_set_bytes(p, replayed);
-  // The call's default schedule under a limit: the finest segments, holding what later ones read.
+  // One segment per value without a plan: the forced shape, else the session's shape for unplanned calls — lazy
+  // (nothing held: a plan made after a lazy step must not take it for hold_all, whose working set is about one
+  // segment's: "full" under a limit then put one segment at the lazy step's peak and ran 12.6 MB over) or holding
+  // what later segments read.
+  const replay::ForcedSchedule shape = session_.options().forced_schedule != replay::ForcedSchedule::kNone
+                                           ? session_.options().forced_schedule
+                                           : session_.options().unplanned_schedule;
   const std::vector<int32_t> replay_order = planner::replay_order(p, replayed, order);
   std::vector<int32_t> fine(replay_order.size());
   for (size_t k = 0; k < fine.size(); ++k) fine[k] = static_cast<int32_t>(k);
-  const std::vector<int32_t> from_start(p.values.size(), 0);
-  return planner::evaluate_schedule(p, replayed, order, replay_order, fine, from_start).working_set_bytes;
+  const std::vector<int32_t> hold_from =
+      shape == replay::ForcedSchedule::kLazy ? std::vector<int32_t>{} : std::vector<int32_t>(p.values.size(), 0);
+  return planner::evaluate_schedule(p, replayed, order, replay_order, fine, hold_from).working_set_bytes;
 }
 
 namespace {

@@ -64,9 +64,11 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   // A step whose blocks' saved tensors no backward read (a forward-only step, grad enabled) says nothing about the
   // backward's memory: no plan is made from it (auto keeps measuring) and the plan in use stays.
   if (session_.last_summary().totals.unpacks == 0) return;
+  if (lazy_fallback_) return;  // fixed masks fell back to lazy replays under this limit: they stay (Note [Measured fallback])
   const auto& blocks = session_.last_stats();
-  if (!fixed_masks_ && std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; })) {
-    // Every call ran without a plan, i.e. with the masks of policy "full": Note [Measured fallback].
+  if (std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; })) {
+    // Every call ran without a plan: with the masks of policy "full" (auto), or with the unplanned schedule (fixed
+    // masks: lazy under a limit). Note [Measured fallback].
     full_step_ = MeasuredStep{measured, session_.last_memory().baseline, step, planner_->call_signatures()};
   }
   // With fixed masks a call that drops nothing has no schedule to follow.
@@ -96,10 +98,23 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
       });
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kMemoryLimit || full_peak > limit_) throw;
-      // Note [Measured fallback]: the masks of "full" measured within the limit.
-      r = ReservedPlan{planner_->plan_least_memory(full_peak), 0, std::nullopt};
-      reason = "fallback (" + d.reason + "): no plan is predicted under the limit less the margin; the masks of step " +
-               std::to_string(full_step_->step) + " measured " + std::to_string(full_step_->peak_bytes) + " bytes";
+      // Note [Measured fallback]: what the last step without plans ran measured within the limit.
+      const std::string measured_then =
+          " of step " + std::to_string(full_step_->step) + " measured " + std::to_string(full_step_->peak_bytes) +
+          " bytes";
+      if (fixed_masks_) {
+        session_.set_plans({});  // every call replays with the unplanned schedule again, for the rest of this limit
+        lazy_fallback_ = true;
+        r = ReservedPlan{};
+        r.plan.predicted_peak_bytes = full_peak;
+        r.plan.min_feasible_peak_bytes = full_peak;
+        reason = "fallback (" + d.reason + "): no schedules are predicted under the limit less the margin; the " +
+                 "calls replay lazily, as those" + measured_then;
+      } else {
+        r = ReservedPlan{planner_->plan_least_memory(full_peak), 0, std::nullopt};
+        reason = "fallback (" + d.reason + "): no plan is predicted under the limit less the margin; the masks" +
+                 measured_then;
+      }
     }
   } else {
     r.plan = planner_->plan(0, d.calibrate_on);
@@ -120,7 +135,10 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
 }
 
 int64_t Runtime::measured_full_peak(int64_t baseline) const {
-  if (!full_step_ || fixed_masks_ || planner_->call_signatures() != full_step_->signatures) return INT64_MAX;
+  if (!full_step_) return INT64_MAX;
+  // The least-memory masks of auto depend on the tapes; the unplanned schedule of fixed masks (lazy) does not: a new
+  // routing of an MoE layer replays lazily as the measured step did.
+  if (!fixed_masks_ && planner_->call_signatures() != full_step_->signatures) return INT64_MAX;
   return full_step_->peak_bytes + (baseline - full_step_->baseline_bytes);
 }
 
@@ -137,6 +155,7 @@ void Runtime::set_memory_limit(int64_t bytes) {
   session_.set_memory_limit(bytes);
   session_.set_graph_memory_limit(bytes);
   limit_ = bytes;
+  lazy_fallback_ = false;
   apply_unplanned_schedule();
   if (chooser_.set_limit(bytes)) chooser_.apply(session_);
   if (planner_ && plan_) {

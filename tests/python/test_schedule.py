@@ -9,14 +9,16 @@ it is never silently over.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import models as M
-from conftest import reference_check
+from conftest import assert_same_grads, reference_check
 from robust_helpers import assert_no_tapesac_hooks
 from test_reference import MATMULS, scenario
 
@@ -196,3 +198,57 @@ def test_planned_schedules_go_below_the_one_segment_peak(policy: str) -> None:
     assert not stats[-1].over_limit and not stats[-2].over_limit
     assert stats[-1].memory.peak_bytes <= limit
     assert max(b.segments for b in stats[-1].blocks) > 1
+
+
+class _SharedBlockStack(nn.Module):
+    """blocks[0] runs twice per step, the second time on half the sequence (another tape); blocks[1] between."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([M.MLPBlock(), M.MLPBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.blocks[0](x)
+        x = x + self.blocks[1](x)
+        return x[:, : M.T // 2] + self.blocks[0](x[:, : M.T // 2])
+
+
+@pytest.mark.parametrize("policy", ["full", "auto"])
+def test_a_block_called_twice_gets_a_plan_per_call(policy: str) -> None:
+    """replay::plan_key: the k-th call of a block in a step follows the k-th call's plan. Before, plans were keyed by
+    the block's name alone: the second call (another tape) ran without one, every step replanned ("new tape"), and
+    under auto at the no-checkpoint peak it dropped values (random program 312)."""
+    import tapesac
+
+    def steps(**kw):
+        torch.manual_seed(0)
+        model = _SharedBlockStack()
+        ref = copy.deepcopy(model)
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", **kw)
+        try:
+            out = []
+            for _ in range(3):
+                for m in (model, ref):
+                    m.zero_grad(set_to_none=True)
+                torch.manual_seed(7)
+                x = M.x_in()
+                with sac.step():
+                    model(x).square().mean().backward()
+                ref(x).square().mean().backward()
+                assert_same_grads(model, ref)
+                out.append(sac.last_step)
+            return out, [p["reason"] for p in sac.plans]
+        finally:
+            sac.close()
+
+    kw: dict[str, Any] = {"policy": policy}
+    if policy == "auto":
+        none_stats, _ = steps(policy="none")
+        kw["memory_limit"] = max(st.memory.peak_bytes for st in none_stats)
+    stats, reasons = steps(**kw)
+    assert [b.name for b in stats[-1].blocks] == ["blocks.0", "blocks.1", "blocks.0"]
+    for st in stats[1:]:
+        assert all(b.planned for b in st.blocks), [(b.name, b.planned) for b in st.blocks]
+    assert reasons == ["first step"], reasons  # no "new tape" replans
+    if policy == "auto":
+        assert stats[-1].dropped_tensors == 0, "a limit at the no-checkpoint peak keeps everything"

@@ -262,6 +262,46 @@ TEST(Runtime, NoPlanUnderTheMarginFallsBackToTheMasksFullMeasured) {
   s2->shutdown();
 }
 
+// Fixed masks (policy "full" with planned schedules) under a limit: a call without a plan replays lazily; when a
+// planned step ran far over (here reported so) and no schedules fit under the margin, the plans are cleared and every
+// call replays lazily for the rest of the limit, as the measured step did (Note [Measured fallback]).
+TEST(Runtime, FixedMasksFallBackToLazyReplaysUnderALimit) {
+  const auto w = torch::randn({kDim, kDim});
+  auto probe = make_session(PolicyKind::kFull);
+  RuntimeOptions unlimited;
+  unlimited.schedules = true;
+  Runtime measure(*probe, unlimited);
+  const int64_t one_segment = run_step(*probe, measure, w, 64);
+  probe->shutdown();
+
+  auto s = make_session(PolicyKind::kFull);
+  RuntimeOptions o;
+  o.schedules = true;
+  o.memory_limit = one_segment;
+  Runtime rt(*s, o);
+  const int64_t first = run_step(*s, rt, w, 64);
+  for (const auto& b : s->last_stats()) EXPECT_GT(b.segments, 1) << b.name << ": no plan yet, lazy under the limit";
+  EXPECT_LE(first, one_segment);
+  rt.after_step(first, 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  run_step(*s, rt, w, 64);
+  rt.after_step(one_segment + 200'000, 2);  // as if the planned schedules had run 200,000 bytes over
+  ASSERT_NE(rt.plan(), nullptr);
+  EXPECT_EQ(rt.plan()->reason.rfind("fallback", 0), 0u) << rt.plan()->reason;
+  EXPECT_TRUE(s->plans().empty());
+  for (int step = 3; step <= 4; ++step) {
+    EXPECT_LE(run_step(*s, rt, w, 64), one_segment);
+    for (const auto& b : s->last_stats()) EXPECT_FALSE(b.planned) << b.name;
+    rt.after_step(first, step);
+    EXPECT_TRUE(s->plans().empty());  // no replan while the fallback holds
+  }
+  rt.set_memory_limit(one_segment);  // a new limit plans again
+  run_step(*s, rt, w, 64);
+  rt.after_step(first, 5);
+  EXPECT_FALSE(s->plans().empty());
+  s->shutdown();
+}
+
 TEST(Runtime, InfeasibleLimitMessageSaysWhatHowMuchAndHowToFix) {
   EXPECT_EQ(infeasible_limit_message(4'000'000, 5'242'880),
             "tapesac: memory_limit 3.81 MiB (4000000 bytes) is below the smallest feasible step peak 5.00 MiB "

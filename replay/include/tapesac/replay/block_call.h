@@ -52,6 +52,8 @@ struct BlockContext {
   const std::unordered_set<const void*>* keep_dependents = nullptr;
   const TapeObserver* observer = nullptr;
   const std::unordered_map<std::string, BlockPlan>* plans = nullptr;
+  /// The call's key in `plans` (plan_key(): its block's name, "name#k" for the block's k-th call in the step).
+  std::string plan_key;
   /// Unpack orders observed in earlier steps (the default schedule's order).
   const UnpackOrders* orders = nullptr;
   Approx* approx = nullptr;

@@ -40,6 +40,13 @@ struct BlockPlan {
   int64_t schedule_ws_bytes = 0;
 };
 
+/// The key of a block call's plan among a step's plans (Session::set_plans): its block's name for the block's first
+/// call in the step, "name#k" for its k-th call (k >= 2). A block called twice in a step (a shared layer, a
+/// recurrent stack) gets a plan per call: its calls can have other tapes, and the planner can give equal tapes other
+/// masks and schedules (before, the second call took the first's plan or none: a step of the random programs with a
+/// repeated block ran its second call without a plan and replanned every step).
+std::string plan_key(const std::string& name, int32_t occurrence);
+
 /// One saved tensor as the decision sees it: its value (>= 0) and the state of its storage when it was saved.
 struct SavedValue {
   ValueId value = -1;

@@ -22,7 +22,12 @@
 //    error), yet that measurement, shifted by the baseline's growth since, is within the limit and the calls have
 //    the same tapes, the least-memory plan is installed instead of raising MemoryLimitError: a limit that "full"
 //    met is never refused, and a refused one names at most that figure (the GRU stack of test_user_holes.py: keeping everything was predicted 640 bytes low, ran
-//    64 bytes over a limit of 40,904 — "full"'s measured peak — and the replan refused, naming 45,577).
+//    64 bytes over a limit of 40,904 — "full"'s measured peak — and the replan refused, naming 45,577). With fixed
+//    masks (policies "full", op sets, callables under a limit) the step without plans replayed lazily: when no
+//    schedules fit under limit - margin and that step measured within the limit, the plans are cleared and every
+//    call replays lazily for the rest of the limit (no more replans until set_memory_limit: small Qwen3-MoE, whose
+//    routing changes every step, raised MemoryLimitError after step 2 before, and replanning after the fallback
+//    ran every other step over).
 //  * The session must outlive the Runtime. Not thread-safe: one step at a time, between steps.
 #pragma once
 
@@ -106,6 +111,7 @@ class Runtime {
     std::vector<uint64_t> signatures;
   };
   std::optional<MeasuredStep> full_step_;
+  bool lazy_fallback_ = false;  // fixed masks replay lazily for the rest of the limit (Note [Measured fallback])
   std::vector<PlanInfo> plans_;
 };
 

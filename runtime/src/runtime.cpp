@@ -98,23 +98,7 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
       });
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kMemoryLimit || full_peak > limit_) throw;
-      // Note [Measured fallback]: what the last step without plans ran measured within the limit.
-      const std::string measured_then =
-          " of step " + std::to_string(full_step_->step) + " measured " + std::to_string(full_step_->peak_bytes) +
-          " bytes";
-      if (fixed_masks_) {
-        session_.set_plans({});  // every call replays with the unplanned schedule again, for the rest of this limit
-        lazy_fallback_ = true;
-        r = ReservedPlan{};
-        r.plan.predicted_peak_bytes = full_peak;
-        r.plan.min_feasible_peak_bytes = full_peak;
-        reason = "fallback (" + d.reason + "): no schedules are predicted under the limit less the margin; the " +
-                 "calls replay lazily, as those" + measured_then;
-      } else {
-        r = ReservedPlan{planner_->plan_least_memory(full_peak), 0, std::nullopt};
-        reason = "fallback (" + d.reason + "): no plan is predicted under the limit less the margin; the masks" +
-                 measured_then;
-      }
+      r = measured_fallback(full_peak, d.reason, &reason);
     }
   } else {
     r.plan = planner_->plan(0, d.calibrate_on);
@@ -132,6 +116,25 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   plan_baseline_ = baseline;
   plans_.push_back(*plan_);
   plans_.back().calls.clear();
+}
+
+ReservedPlan Runtime::measured_fallback(int64_t full_peak, const std::string& why, std::string* reason) {
+  const std::string measured_then = " of step " + std::to_string(full_step_->step) + " measured " +
+                                    std::to_string(full_step_->peak_bytes) + " bytes";
+  ReservedPlan r;
+  if (fixed_masks_) {
+    session_.set_plans({});  // every call replays with the unplanned schedule again, for the rest of this limit
+    lazy_fallback_ = true;
+    r.plan.predicted_peak_bytes = full_peak;
+    r.plan.min_feasible_peak_bytes = full_peak;
+    *reason = "fallback (" + why + "): no schedules are predicted under the limit less the margin; the calls replay "
+              "lazily, as those" + measured_then;
+  } else {
+    r.plan = planner_->plan_least_memory(full_peak);
+    *reason = "fallback (" + why + "): no plan is predicted under the limit less the margin; the masks" +
+              measured_then;
+  }
+  return r;
 }
 
 int64_t Runtime::measured_full_peak(int64_t baseline) const {

@@ -38,6 +38,7 @@
 
 #include "tapesac/replay/session.h"
 #include "tapesac/runtime/auto_planner.h"
+#include "tapesac/runtime/graph_reserve.h"
 #include "tapesac/runtime/plan_info.h"
 #include "tapesac/runtime/preservation_chooser.h"
 #include "tapesac/runtime/replan_policy.h"
@@ -91,6 +92,9 @@ class Runtime {
   /// The peak of the last step whose calls all ran without a plan, shifted to `baseline` (the last step's), when the
   /// last step's calls have the same tapes (Note [Measured fallback]); INT64_MAX otherwise.
   int64_t measured_full_peak(int64_t baseline) const;
+  /// Note [Measured fallback]: installs what the last step without plans ran (its peak shifted: `full_peak`) and
+  /// says why in `reason` (`why`: the replan policy's reason).
+  ReservedPlan measured_fallback(int64_t full_peak, const std::string& why, std::string* reason);
   void choose_preservation(int64_t measured_peak_bytes);
   /// With fixed masks: the shape of calls without a plan (lazy under a limit, else one segment).
   void apply_unplanned_schedule();

@@ -9,6 +9,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/alias.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 
 #include "tapesac/capture/op_kinds.h"
@@ -153,10 +154,15 @@ std::vector<at::Tensor> static_inputs(const capture::Tape& tape, const std::vect
                              .dtype(static_cast<c10::ScalarType>(m.dtype))
                              .device(c10::Device(static_cast<c10::DeviceType>(m.device_type),
                                                  static_cast<c10::DeviceIndex>(m.device_index)));
-    // Zeros, not garbage: the emulation runs the capture (an index read from garbage would fault).
-    inputs[v] = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
-    const auto elems = static_cast<int64_t>(inputs[v].storage().nbytes()) / inputs[v].element_size();
-    inputs[v].as_strided({elems}, {1}, 0).zero_();  // the whole storage: an expanded view cannot be filled
+    // At the forward's storage offset: a kernel's path (and its rounding) can depend on where its data starts
+    // relative to the allocator's alignment — a BLAS call on a slice of a larger tensor, staged into a buffer at
+    // offset 0, gave other last bits than the forward (random program 1651). Allocations share one alignment, so the
+    // same offset into a fresh storage puts the data at the same alignment.
+    const at::Tensor base = at::empty_strided(m.sizes.vec(), m.strides.vec(), options);
+    const int64_t elems = static_cast<int64_t>(base.storage().nbytes()) / base.element_size() + m.storage_offset;
+    at::Tensor storage = at::empty({elems}, options);
+    storage.zero_();  // zeros, not garbage: the emulation runs the capture (an index read from garbage would fault)
+    inputs[v] = storage.as_strided(m.sizes.vec(), m.strides.vec(), m.storage_offset);
   }
   return inputs;
 }
@@ -310,6 +316,14 @@ std::string check_captured_outputs(const capture::Tape& tape, const std::vector<
                c10::str(t.layout()) + ", the forward made " +
                std::string(c10::toString(static_cast<c10::ScalarType>(m.dtype))) +
                (m.strides.size() == m.sizes.size() ? " strided" : " non-strided");
+      }
+      if (!m.sizes.equals(t.sizes()) || (t.layout() == c10::kStrided && !m.strides.equals(t.strides()))) {
+        // The static tensor changed shape after its op ran: a later op of the block resized its storage during the
+        // capture (torch.empty(shape, out=buf) over a zeros(0) buffer). A launch would re-run the op into a static
+        // tensor of another shape; eager replay runs the block as the forward did (random program 977).
+        *reason = GraphFallback::kOutputMismatch;
+        return what + " is " + c10::str(t.sizes()) + " after the capture, the forward made it " +
+               c10::str(m.sizes.vec()) + ": a later op of the block resized it";
       }
       if (!graph_device || same_device(m, t)) {
         if (graph_device && t.device().type() != *graph_device) {

@@ -83,6 +83,9 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
   // Its figures are the allocator's but for the dropped bytes (tensor bytes): a limit within a few bytes per call
   // below it still keeps everything (AutoPlannerOptions::ceiling_slack_per_call).
   const int64_t ceiling = options_.fixed_masks ? INT64_MAX : keep_all_ceiling(prep, measured_peak);
+  // After a step that dropped nothing the ceiling is that step's measured peak: no slack below it.
+  const auto& ran = session_.last_stats();
+  ceiling_measured_ = std::all_of(ran.begin(), ran.end(), [](const replay::BlockStats& b) { return b.dropped_tensors == 0; });
   planner::StepPlan plan;
   try {
     plan = plan_under_ceiling(prep.input, use_seq, model, limit, ceiling);
@@ -121,6 +124,11 @@ PlanInfo AutoPlanner::plan_least_memory(int64_t predicted_peak) {
   return out;
 }
 
+int64_t AutoPlanner::keep_all_ceiling(int64_t measured_peak) const {
+  if (options_.fixed_masks || calls_.empty()) return INT64_MAX;
+  return keep_all_ceiling(prepare(), measured_peak);
+}
+
 std::vector<uint64_t> AutoPlanner::call_signatures() const {
   std::vector<uint64_t> out;
   out.reserve(calls_.size());
@@ -135,8 +143,9 @@ planner::StepPlan AutoPlanner::plan_under_ceiling(const planner::StepInput& inpu
   // ceiling]); with fixed masks it is not a choice. Its figures are the allocator's but for the dropped bytes (tensor
   // bytes): a limit within a few bytes per call below it still keeps everything
   // (AutoPlannerOptions::ceiling_slack_per_call).
-  const bool ceiling_fits =
-      ceiling != INT64_MAX && limit >= ceiling - options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
+  // (AutoPlannerOptions::ceiling_slack_per_call; none when the ceiling is a measurement of keeping everything).
+  const int64_t slack = ceiling_measured_ ? 0 : options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
+  const bool ceiling_fits = ceiling != INT64_MAX && limit >= ceiling - slack;
   planner::StepPlan plan;
   try {
     plan = plan_step(input, sequence, model, limit);

@@ -13,7 +13,11 @@
 namespace tapesac::runtime {
 
 Runtime::Runtime(replay::Session& session, RuntimeOptions options)
-    : session_(session), limit_(options.memory_limit), replan_(options.replan), chooser_(options.preservation) {
+    : session_(session),
+      limit_(options.memory_limit),
+      replan_(options.replan),
+      chooser_(options.preservation),
+      keep_all_probe_(options.keep_all_probe) {
   TAPESAC_CHECK(limit_ >= 0, kConfig, "memory_limit must be >= 0 bytes (0: none), got ", limit_);
   session_.set_graph_memory_limit(limit_);
   if (options.plan) {
@@ -66,7 +70,8 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   if (session_.last_summary().totals.unpacks == 0) return;
   if (lazy_fallback_) return;  // fixed masks fell back to lazy replays under this limit: they stay (Note [Measured fallback])
   const auto& blocks = session_.last_stats();
-  if (std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; })) {
+  const bool measuring = std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; });
+  if (measuring) {
     // Every call ran without a plan: with the masks of policy "full" (auto), or with the unplanned schedule (fixed
     // masks: lazy under a limit). Note [Measured fallback].
     full_step_ = MeasuredStep{measured, session_.last_memory().baseline, step, planner_->call_signatures()};
@@ -80,6 +85,15 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   const StepOutcome outcome{limit_ > 0 ? limit_ : INT64_MAX, measured, unplanned,
                             plan_ ? baseline - plan_baseline_ : 0};
   ReplanDecision d = replan_.decide(plan(), outcome);
+  if (probe_running_) {  // Note [Keep-everything probe]: the probe measured keeping everything; plan on it
+    probe_running_ = false;
+    if (!d.replan) {
+      d.replan = true;
+      d.calibrate_on = measured;
+      d.margin_bytes = replan_.model_error_bytes();
+    }
+    d.reason = d.reason.empty() ? "after the keep-everything probe" : "after the keep-everything probe (" + d.reason + ")";
+  }
   if (!d.replan) return;
   if (limit_ > 0 && measured > limit_ && plan_ && plan_->keeps_everything && !fixed_masks_) {
     // Kept everything (predicted within the limit, or within the ceiling's slack of it) and ran over the limit: the
@@ -97,8 +111,11 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
         return planner_->plan(limit, d.calibrate_on, d.margin_bytes, full_peak);
       });
     } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kMemoryLimit || full_peak > limit_) throw;
-      r = measured_fallback(full_peak, d.reason, &reason);
+      if (e.kind() != ErrorKind::kMemoryLimit) throw;
+      if (!(measuring && probe_keep_all(measured, d, &r, &reason))) {
+        if (full_peak > limit_) throw;
+        r = measured_fallback(full_peak, d.reason, &reason);
+      }
     }
   } else {
     r.plan = planner_->plan(0, d.calibrate_on);
@@ -116,6 +133,24 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   plan_baseline_ = baseline;
   plans_.push_back(*plan_);
   plans_.back().calls.clear();
+}
+
+bool Runtime::probe_keep_all(int64_t measured, const ReplanDecision& d, ReservedPlan* r, std::string* reason) {
+  if (fixed_masks_ || probed_ || keep_all_probe_ <= 0 || limit_ <= 0) return false;
+  const int64_t ceiling = planner_->keep_all_ceiling(measured);
+  if (ceiling == INT64_MAX || ceiling <= 0) return false;
+  const auto tolerance = static_cast<int64_t>(keep_all_probe_ * static_cast<double>(limit_));
+  if (ceiling > limit_ + tolerance) return false;
+  probed_ = true;
+  probe_running_ = true;
+  ReservedPlan probe;
+  probe.plan = planner_->plan(INT64_MAX, d.calibrate_on, d.margin_bytes);
+  probe.plan.predicted_peak_bytes = ceiling;
+  *r = std::move(probe);
+  *reason = "keep-everything probe (" + d.reason + "): no plan is predicted under the limit and keeping everything "
+            "at most " + std::to_string(ceiling) + " bytes, within " + std::to_string(tolerance) +
+            " bytes above it; the next step measures keeping everything";
+  return true;
 }
 
 ReservedPlan Runtime::measured_fallback(int64_t full_peak, const std::string& why, std::string* reason) {
@@ -159,6 +194,8 @@ void Runtime::set_memory_limit(int64_t bytes) {
   session_.set_graph_memory_limit(bytes);
   limit_ = bytes;
   lazy_fallback_ = false;
+  probed_ = false;
+  probe_running_ = false;
   apply_unplanned_schedule();
   if (chooser_.set_limit(bytes)) chooser_.apply(session_);
   if (planner_ && plan_) {

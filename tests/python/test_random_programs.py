@@ -259,3 +259,18 @@ def test_found_by_the_5000_program_run(seed: int) -> None:
     RuntimeError ("size of tensor a (8) must match ... (0)"); such a capture now falls back to eager replay
     (GraphFallback kOutputMismatch)."""
     R.check_program(seed)
+
+
+@pytest.mark.parametrize("seed", [1220, 1440, 4682])
+def test_auto_at_the_no_checkpoint_peak_is_not_refused(seed: int) -> None:
+    """Found by `python random_program.py 0 5000` (2026-12-02): at memory_limit = policy "none"'s measured peak, auto
+    refused the limit: its measuring step ("full", one replay per call) ran over it, and the keep-everything ceiling,
+    an upper bound, lay 1-2% above it (1220: 20,536 bytes against 20,248 measured), so no plan fitted. The step after
+    the measuring one now keeps everything as a measurement (Note [Keep-everything probe] in runtime/runtime.h), and
+    the plan made after it keeps everything."""
+    outcome = R.check_program(seed, policies=["none", "full", "auto"])
+    assert R.auto_limit_for(outcome.program).frac == 1.0
+    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
+    assert "auto" in outcome.stats
+    assert outcome.stats["auto"].dropped_tensors == 0, outcome.stats["auto"]
+    assert outcome.auto_over_limit_bytes == 0

@@ -262,6 +262,125 @@ TEST(Runtime, NoPlanUnderTheMarginFallsBackToTheMasksFullMeasured) {
   s2->shutdown();
 }
 
+/// The measured peak of keeping everything in run_step: auto under a limit far above it keeps everything.
+int64_t keep_all_peak(const torch::Tensor& w) {
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(int64_t{1} << 30));
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  EXPECT_TRUE(rt.plan() != nullptr && rt.plan()->keeps_everything);
+  const int64_t peak = run_step(*s, rt, w, 64);
+  for (const auto& b : s->last_stats()) EXPECT_EQ(b.dropped_tensors, 0) << b.name;
+  s->shutdown();
+  return peak;
+}
+
+// At the keep-everything peak auto keeps everything: the plan after the measuring step does, or (Note
+// [Keep-everything probe]) the step after it keeps everything as a measurement and the plan after that does.
+TEST(Runtime, ALimitAtTheKeepEverythingPeakKeepsEverything) {
+  const auto w = torch::randn({kDim, kDim});
+  const int64_t all = keep_all_peak(w);
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(all));
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  ASSERT_TRUE(rt.plan()->keeps_everything) << rt.plan()->reason;
+  const bool probing = rt.plan()->reason.rfind("keep-everything probe", 0) == 0;
+  for (int step = 2; step <= 3; ++step) {
+    const int64_t peak = run_step(*s, rt, w, 64);
+    EXPECT_LE(peak, all) << "step " << step;
+    for (const auto& b : s->last_stats()) EXPECT_EQ(b.dropped_tensors, 0) << b.name << ", step " << step;
+    rt.after_step(peak, step);
+    ASSERT_NE(rt.plan(), nullptr);
+    EXPECT_TRUE(rt.plan()->keeps_everything) << rt.plan()->reason;
+  }
+  EXPECT_EQ(rt.plans().size(), probing ? 2u : 1u);
+  if (probing) {
+    EXPECT_EQ(rt.plans()[1].reason, "after the keep-everything probe");
+  }
+  s->shutdown();
+}
+
+// One byte below keeping everything: the first plan keeps everything (the limit lies within the ceiling's slack
+// below it), runs over by a few bytes (flagged), and the plan after that step — whose ceiling is now a measurement —
+// drops, and runs within the limit.
+TEST(Runtime, AKeepEverythingStepOverTheLimitIsFollowedByAPlanThatDrops) {
+  const auto w = torch::randn({kDim, kDim});
+  const int64_t all = keep_all_peak(w);
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(all - 1));
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  const int64_t second = run_step(*s, rt, w, 64);
+  rt.after_step(second, 2);
+  if (second > all - 1) {
+    EXPECT_EQ(rt.plan()->reason, "measured peak over the limit");
+    EXPECT_FALSE(rt.plan()->keeps_everything);
+  }
+  for (int step = 3; step <= 4; ++step) {
+    const int64_t peak = run_step(*s, rt, w, 64);
+    EXPECT_LE(peak, all - 1) << "step " << step;
+    rt.after_step(peak, step);
+  }
+  s->shutdown();
+}
+
+// Note [Keep-everything probe] with a tolerance that admits any limit: below the smallest feasible peak the step
+// after the measuring one keeps everything (instead of raising), runs over, and the limit is refused after it,
+// naming at most the smallest feasible figure. Once per limit; keep_all_probe = 0 raises after the measuring step; a
+// limit a dropping plan meets is never probed.
+TEST(Runtime, AProbeOfAnInfeasibleLimitKeepsEverythingOnceThenRefuses) {
+  const auto w = torch::randn({kDim, kDim});
+  int64_t smallest = 0;
+  {
+    auto s = make_session(PolicyKind::kPlan);
+    RuntimeOptions o = auto_options(1000);
+    o.keep_all_probe = 0;
+    Runtime rt(*s, o);
+    try {
+      rt.after_step(run_step(*s, rt, w, 64), 1);
+      FAIL() << "a 1000-byte limit planned";
+    } catch (const Error& e) {
+      smallest = smallest_named(e.what());
+    }
+    s->shutdown();
+  }
+  auto s = make_session(PolicyKind::kPlan);
+  RuntimeOptions o = auto_options(smallest - 1);
+  o.keep_all_probe = 100.0;
+  Runtime rt(*s, o);
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  EXPECT_EQ(rt.plan()->reason.rfind("keep-everything probe (first step)", 0), 0u) << rt.plan()->reason;
+  EXPECT_TRUE(rt.plan()->keeps_everything);
+  EXPECT_EQ(rt.plan()->limit, smallest - 1);
+  const int64_t probe = run_step(*s, rt, w, 64);
+  for (const auto& b : s->last_stats()) {
+    EXPECT_TRUE(b.planned) << b.name;
+    EXPECT_EQ(b.dropped_tensors, 0) << b.name;
+  }
+  EXPECT_GT(probe, smallest - 1);
+  try {
+    rt.after_step(probe, 2);
+    FAIL() << "a limit below the smallest feasible peak planned after the probe";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kMemoryLimit);
+    EXPECT_LE(smallest_named(e.what()), smallest) << e.what();
+  }
+  s->shutdown();
+
+  // A limit that a dropping plan meets: no probe.
+  const int64_t all = keep_all_peak(w);
+  auto s2 = make_session(PolicyKind::kPlan);
+  RuntimeOptions o2 = auto_options(all - 1000);
+  o2.keep_all_probe = 100.0;
+  Runtime rt2(*s2, o2);
+  rt2.after_step(run_step(*s2, rt2, w, 64), 1);
+  ASSERT_NE(rt2.plan(), nullptr);
+  EXPECT_EQ(rt2.plan()->reason, "first step");
+  EXPECT_FALSE(rt2.plan()->keeps_everything);
+  s2->shutdown();
+}
+
 // Fixed masks (policy "full" with planned schedules) under a limit: a call without a plan replays lazily; when a
 // planned step ran far over (here reported so) and no schedules fit under the margin, the plans are cleared and every
 // call replays lazily for the rest of the limit, as the measured step did (Note [Measured fallback]).

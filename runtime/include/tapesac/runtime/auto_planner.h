@@ -101,6 +101,11 @@ class AutoPlanner {
   /// [Measured fallback] in runtime.h). Throws tapesac::Error (kGeneric) before any observed call.
   PlanInfo plan_least_memory(int64_t predicted_peak);
 
+  /// The keep-everything ceiling of the calls observed since begin_step() (Note [Keep-everything ceiling] in
+  /// planner/peak_model.h; after a step that kept everything, its measured peak `measured_peak`): what plan() would
+  /// predict for keeping everything; INT64_MAX when the step's spans do not say when its calls ran, or with fixed masks.
+  int64_t keep_all_ceiling(int64_t measured_peak) const;
+
   /// The tape signatures of the calls observed since begin_step(), in step order.
   std::vector<uint64_t> call_signatures() const;
 
@@ -177,6 +182,7 @@ class AutoPlanner {
   int64_t seq_baseline_ = 0;  // the baseline of the step seq_ was calibrated on
   bool last_used_seq_ = false;
   int64_t last_ceiling_ = INT64_MAX;  // the keep-everything ceiling of the step the last plan was made after
+  bool ceiling_measured_ = false;     // that step dropped nothing: the ceiling is its measured peak (no slack)
   planner::StepInput last_input_;
 };
 

@@ -28,6 +28,17 @@
 //    call replays lazily for the rest of the limit (no more replans until set_memory_limit: small Qwen3-MoE, whose
 //    routing changes every step, raised MemoryLimitError after step 2 before, and replanning after the fallback
 //    ran every other step over).
+//  * Note [Keep-everything probe]. The keep-everything ceiling is an upper bound read off auto's measuring step (which
+//    dropped and replayed): on small blocks it can lie a few percent above what keeping everything really peaks at
+//    (random program 1220: ceiling 20,536 bytes, "none" measured 20,248), and when the measuring step itself ran
+//    over the limit (it runs "full" with one replay per call) a limit at the no-checkpoint peak was refused. When no
+//    plan fits after the measuring step and the ceiling lies within RuntimeOptions::keep_all_probe of the limit above
+//    it, the next step keeps everything as a measurement instead of raising: within the limit, the plan made after it
+//    keeps everything (its ceiling is now that measured peak, with no slack below it); over it, the step is flagged
+//    over_limit like any step over the limit, and the plan made after it drops, or the limit is refused naming a
+//    figure a step measured. Once per limit. A plan that fits and drops is not probed: the probe could run over a
+//    limit that the plan meets (a double backward at 70% of the way from "full" to "none": 3.1% over), so at a limit
+//    at the no-checkpoint peak auto may still drop where the ceiling overestimates (README, Limits and guarantees).
 //  * The session must outlive the Runtime. Not thread-safe: one step at a time, between steps.
 #pragma once
 
@@ -58,6 +69,9 @@ struct RuntimeOptions {
   AutoPlannerOptions planner;
   ReplanOptions replan;
   PreservationChooserOptions preservation;
+  /// Policy "auto": how far above the limit (a fraction of it) the keep-everything ceiling may lie for a step to keep
+  /// everything as a measurement (Note [Keep-everything probe]); 0: never.
+  double keep_all_probe = 0.05;
 };
 
 /// The between-steps runtime of one Session (see the contract above).
@@ -95,6 +109,9 @@ class Runtime {
   /// Note [Measured fallback]: installs what the last step without plans ran (its peak shifted: `full_peak`) and
   /// says why in `reason` (`why`: the replan policy's reason).
   ReservedPlan measured_fallback(int64_t full_peak, const std::string& why, std::string* reason);
+  /// Note [Keep-everything probe]: whether the step after this measuring step (`measured` bytes), for which no plan
+  /// fits, keeps everything as a measurement; installs that plan in `r` and says why in `reason` if so.
+  bool probe_keep_all(int64_t measured, const ReplanDecision& d, ReservedPlan* r, std::string* reason);
   void choose_preservation(int64_t measured_peak_bytes);
   /// With fixed masks: the shape of calls without a plan (lazy under a limit, else one segment).
   void apply_unplanned_schedule();
@@ -116,6 +133,9 @@ class Runtime {
   };
   std::optional<MeasuredStep> full_step_;
   bool lazy_fallback_ = false;  // fixed masks replay lazily for the rest of the limit (Note [Measured fallback])
+  double keep_all_probe_ = 0;    // RuntimeOptions::keep_all_probe
+  bool probed_ = false;          // a keep-everything probe ran (or is running) under this limit
+  bool probe_running_ = false;   // the plan in use is the probe's: the step after it is planned again
   std::vector<PlanInfo> plans_;
 };
 

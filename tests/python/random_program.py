@@ -1071,6 +1071,8 @@ def tally(seeds: range) -> dict[str, Any]:
     totals = {"auto_within_limit": 0, "auto_over_limit": 0, "auto_refused_limit": 0, "auto_refused_at_none_peak": 0,
               "auto_dropped_at_none_peak": 0}
     failures: list[tuple[int, list[str], str]] = []
+    # The seeds of the outcomes the README's "a limit at or above the no-checkpoint peak keeps everything" misses.
+    at_none: dict[str, list[int]] = {"refused_at_none_peak": [], "dropped_at_none_peak": []}
     for seed in seeds:
         program = Program.generate(seed)
         fams = program.families() + [f"schedule:{program.schedule}", f"backend:{program.backend}"]
@@ -1092,13 +1094,17 @@ def tally(seeds: range) -> dict[str, Any]:
             per[f]["auto_refused_at_none_peak"] += bool(outcome.auto_refused_at_none_peak)
             per[f]["auto_over_limit"] += outcome.auto_over_limit_bytes > 0
         totals["auto_dropped_at_none_peak"] += outcome.auto_dropped_at_none_peak
+        if outcome.auto_dropped_at_none_peak:
+            at_none["dropped_at_none_peak"].append(seed)
+        if outcome.auto_refused_at_none_peak:
+            at_none["refused_at_none_peak"].append(seed)
         if outcome.auto_refused or outcome.auto_refused_at_none_peak:
             totals["auto_refused_limit" if outcome.auto_refused else "auto_refused_at_none_peak"] += 1
         elif outcome.auto_over_limit_bytes > 0:
             totals["auto_over_limit"] += 1
         elif "auto" in outcome.stats:
             totals["auto_within_limit"] += 1
-    return {"families": per, "failures": failures, "programs": len(seeds), "auto": totals}
+    return {"families": per, "failures": failures, "programs": len(seeds), "auto": totals, "auto_at_none_seeds": at_none}
 
 
 if __name__ == "__main__":
@@ -1112,5 +1118,6 @@ if __name__ == "__main__":
     print(json.dumps(result["families"], indent=1, sort_keys=True))
     print(f"{len(result['failures'])} of {result['programs']} programs failed")
     print("policy auto's memory outcomes (programs):", json.dumps(result["auto"], sort_keys=True))
+    print("at the no-checkpoint peak (seeds):", json.dumps(result["auto_at_none_seeds"], sort_keys=True))
     for seed, fams, msg in result["failures"]:
         print(f"  seed {seed} {fams}: {msg}")

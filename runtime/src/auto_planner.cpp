@@ -142,7 +142,6 @@ planner::StepPlan AutoPlanner::plan_under_ceiling(const planner::StepInput& inpu
   // Keeping everything is one plan whose peak the last step's timeline bounds directly (Note [Keep-everything
   // ceiling]); with fixed masks it is not a choice. Its figures are the allocator's but for the dropped bytes (tensor
   // bytes): a limit within a few bytes per call below it still keeps everything
-  // (AutoPlannerOptions::ceiling_slack_per_call).
   // (AutoPlannerOptions::ceiling_slack_per_call; none when the ceiling is a measurement of keeping everything).
   const int64_t slack = ceiling_measured_ ? 0 : options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
   const bool ceiling_fits = ceiling != INT64_MAX && limit >= ceiling - slack;

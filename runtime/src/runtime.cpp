@@ -138,9 +138,8 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
 bool Runtime::probe_keep_all(int64_t measured, const ReplanDecision& d, ReservedPlan* r, std::string* reason) {
   if (fixed_masks_ || probed_ || keep_all_probe_ <= 0 || limit_ <= 0) return false;
   const int64_t ceiling = planner_->keep_all_ceiling(measured);
-  if (ceiling == INT64_MAX || ceiling <= 0) return false;
   const auto tolerance = static_cast<int64_t>(keep_all_probe_ * static_cast<double>(limit_));
-  if (ceiling > limit_ + tolerance) return false;
+  if (ceiling == INT64_MAX || ceiling > limit_ + tolerance) return false;
   probed_ = true;
   probe_running_ = true;
   ReservedPlan probe;

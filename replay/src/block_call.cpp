@@ -153,7 +153,7 @@ void BlockCall::close_forward() {
   resolve_schedule(targets);
   // The span ends once the dropped tensors are freed: the planner's peak model reads the forward's windows.
   if (ctx_.memory) {
-    ctx_.memory->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, ctx_.memory->elapsed_ns()});
+    ctx_.memory->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, ctx_.memory->elapsed_ns(), ctx_.plan_key});
   }
   if (alive_slots_ == 0) release_all();
 }

@@ -181,7 +181,7 @@ void BlockCall::account_replay(int64_t window_start, int64_t allocated_before, i
   }
   closed_stats_.replayed_bytes += counter.total().allocated - allocated_before;
   ctx_.memory->arena().on_replay(name_, ws);
-  ctx_.memory->add_span(TimelineSpan{"replay", name_, begin_ns, ctx_.memory->elapsed_ns()});
+  ctx_.memory->add_span(TimelineSpan{"replay", name_, begin_ns, ctx_.memory->elapsed_ns(), ctx_.plan_key});
 }
 
 void BlockCall::keep_rebuilt(std::unordered_map<ValueId, at::Tensor>& out, const std::string& recovered,

@@ -181,24 +181,22 @@ planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool s
 
 int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_peak) const {
   const replay::StepMemoryStats& m = session_.last_memory();
-  // Per name, its forward spans in order (a name called twice: the k-th span is its k-th call) and its last replay.
-  std::unordered_map<std::string, std::vector<int64_t>> forward_ends;
+  // Per call (its plan key: two calls of one block are told apart), its forward's end and its last replay's begin.
+  std::unordered_map<std::string, int64_t> forward_end;
   std::unordered_map<std::string, int64_t> last_replay;
   for (const replay::TimelineSpan& sp : m.spans) {
-    if (sp.kind == "forward") forward_ends[sp.block].push_back(sp.end_ns);
+    if (sp.kind == "forward") forward_end[sp.call] = sp.end_ns;
     if (sp.kind == "replay") {
-      auto [it, inserted] = last_replay.emplace(sp.block, sp.begin_ns);
+      auto [it, inserted] = last_replay.emplace(sp.call, sp.begin_ns);
       if (!inserted) it->second = std::max(it->second, sp.begin_ns);
     }
   }
-  std::unordered_map<std::string, size_t> seen;
   std::vector<int64_t> fwd_end, release, dropped;
   for (size_t j = 0; j < calls_.size(); ++j) {
-    const std::vector<int64_t>& ends = forward_ends[calls_[j].name];
-    const size_t k = seen[calls_[j].name]++;
-    if (k >= ends.size() || j >= prep.extras.keep_all.size()) return INT64_MAX;
-    fwd_end.push_back(ends[k]);
-    const auto r = last_replay.find(calls_[j].name);
+    const auto f = forward_end.find(calls_[j].key);
+    if (f == forward_end.end() || j >= prep.extras.keep_all.size()) return INT64_MAX;
+    fwd_end.push_back(f->second);
+    const auto r = last_replay.find(calls_[j].key);
     release.push_back(r == last_replay.end() ? -1 : r->second);
     dropped.push_back(std::max<int64_t>(0, prep.extras.keep_all[j] - prep.kept_ref[j]));
   }
@@ -408,28 +406,26 @@ AutoPlanner::Prepared AutoPlanner::prepare() const {
   return out;
 }
 
-/// The memory profile of the session's last step for the observed calls (invalid when a call did not replay or two
-/// calls share a name).
+/// The memory profile of the session's last step for the observed calls (invalid when a call has no forward span).
 planner::StepProfile AutoPlanner::step_profile(planner::StepExtras* extras) const {
   const replay::StepMemoryStats& m = session_.last_memory();
+  // By call (its plan key: two calls of one block are two calls, each with its forward and its replays).
   std::unordered_map<std::string, int64_t> first_replay;
   std::unordered_map<std::string, std::pair<int64_t, int64_t>> forward;
   for (const replay::TimelineSpan& sp : m.spans) {
     if (sp.kind == "forward") {
-      if (!forward.emplace(sp.block, std::make_pair(sp.begin_ns, sp.end_ns)).second) return {};
+      if (!forward.emplace(sp.call, std::make_pair(sp.begin_ns, sp.end_ns)).second) return {};
       continue;
     }
     if (sp.kind != "replay") continue;
-    auto [it, inserted] = first_replay.emplace(sp.block, sp.begin_ns);
+    auto [it, inserted] = first_replay.emplace(sp.call, sp.begin_ns);
     if (!inserted) it->second = std::min(it->second, sp.begin_ns);
   }
   std::vector<int64_t> starts, fwd_begin, fwd_end;
-  std::unordered_set<std::string> names;
   for (const Call& c : calls_) {
-    if (!names.insert(c.name).second) return {};
-    auto it = first_replay.find(c.name);
+    auto it = first_replay.find(c.key);
     starts.push_back(it == first_replay.end() ? -1 : it->second);
-    auto f = forward.find(c.name);
+    auto f = forward.find(c.key);
     if (f == forward.end()) return {};
     fwd_begin.push_back(f->second.first);
     fwd_end.push_back(f->second.second);
@@ -473,7 +469,9 @@ void AutoPlanner::observe(const replay::BlockTapeView& v) {
     for (size_t k = 0; k < holdable->size(); ++k) (*holdable)[k] = replay::holdable(v.tape, static_cast<int32_t>(k));
     holdable_[sig] = std::move(holdable);
   }
-  calls_.push_back(Call{v.name, v.signature, it->second, v.kept, holdable_[sig]});
+  const auto earlier = std::count_if(calls_.begin(), calls_.end(), [&](const Call& c) { return c.name == v.name; });
+  calls_.push_back(Call{v.name, replay::plan_key(v.name, static_cast<int32_t>(earlier)), v.signature, it->second,
+                        v.kept, holdable_[sig]});
 }
 
 }  // namespace tapesac::runtime

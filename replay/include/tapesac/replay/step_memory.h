@@ -22,6 +22,9 @@ struct TimelineSpan {
   std::string block;
   int64_t begin_ns = 0;
   int64_t end_ns = 0;
+  /// The call's plan key (replay::plan_key: the block's name, "name#k" for its k-th call in the step): tells the
+  /// spans of two calls of one block apart.
+  std::string call;
 };
 
 /// The execution record of one replayed value (contract outcome and cost).

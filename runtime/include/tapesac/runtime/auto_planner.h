@@ -124,6 +124,7 @@ class AutoPlanner {
  private:
   struct Call {
     std::string name;
+    std::string key;  // replay::plan_key: the name, "name#k" for the block's k-th call in the step (its spans' call)
     uint64_t signature;
     std::shared_ptr<const planner::BlockProblem> problem;
     std::vector<uint8_t> kept;

@@ -112,9 +112,11 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
       });
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::kMemoryLimit) throw;
-      if (!(measuring && probe_keep_all(measured, d, &r, &reason))) {
-        if (full_peak > limit_) throw;
+      // A measured plan within the limit first; the probe (which may run over) only when there is none.
+      if (full_peak <= limit_) {
         r = measured_fallback(full_peak, d.reason, &reason);
+      } else if (!(measuring && probe_keep_all(measured, d, &r, &reason))) {
+        throw;
       }
     }
   } else {

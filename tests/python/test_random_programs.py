@@ -277,3 +277,15 @@ def test_auto_at_the_no_checkpoint_peak_is_not_refused(seed: int) -> None:
     assert "auto" in outcome.stats
     assert outcome.stats["auto"].dropped_tensors == 0, outcome.stats["auto"]
     assert outcome.auto_over_limit_bytes == 0
+
+
+@pytest.mark.parametrize("seed", [155, 773, 820, 847])
+def test_auto_falls_back_rather_than_probe_a_limit_its_measuring_step_met(seed: int) -> None:
+    """Found by the 5,000-program run of 2026-12-02 (the second): no plan was predicted under these limits after the
+    measuring step, which itself met them, and the keep-everything probe ran 1.9-4.0% over (flagged). A limit the
+    measuring step met now falls back to its masks (Note [Measured fallback]); the probe is for a limit nothing
+    measured met (Note [Keep-everything probe])."""
+    outcome = R.check_program(seed, policies=["none", "full", "auto"])
+    assert R.auto_limit_for(outcome.program).frac < 1.0
+    assert not outcome.auto_refused, outcome.auto_refused
+    assert outcome.auto_over_limit_bytes == 0, f"seed {seed}: the planned step ran {outcome.auto_over_limit_bytes} over"

@@ -85,7 +85,8 @@ std::vector<RestLevel> reduce_levels(std::vector<RestLevel> levels, size_t max_l
 
 int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
                          const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
-                         int64_t offset, const std::vector<int64_t>& held_bytes) {
+                         int64_t offset, const std::vector<int64_t>& held_bytes,
+                         const std::vector<HeldToEnd>& held_to_end) {
   const size_t n = forward_end_ns.size();
   if (timeline.empty() || release_ns.size() != n || dropped_bytes.size() != n ||
       (!held_bytes.empty() && held_bytes.size() != n)) {
@@ -104,6 +105,9 @@ int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vec
       }
       // Held for the replays from the forward's end to the step's (the call releases its inputs at the step end).
       if (pt.t_ns >= forward_end_ns[k] && !held_bytes.empty()) pending -= held_bytes[k];
+    }
+    for (const HeldToEnd& h : held_to_end) {
+      if (pt.t_ns >= h.t_ns) pending -= h.bytes;
     }
     ceiling = std::max(ceiling, pt.bytes - pt.replay_bytes + std::min(pt.replay_bytes, rebuilt) - pt.dropped_alive +
                                     offset + pending);

@@ -301,6 +301,7 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
   ++e.count;
   ++e.stats.writes;
   e.stats.save_ns += now_ns() - t0;
+  e.stats.last_save_ns = t0;
 }
 
 int64_t WriteWatcher::watch(const at::Tensor& t) {

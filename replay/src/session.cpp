@@ -5,6 +5,7 @@
 
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
+#include "tapesac/common/clock.h"
 #include "tapesac/common/errors.h"
 
 namespace tapesac::replay {
@@ -171,6 +172,12 @@ void Session::end_step() noexcept {
   if (watcher_) {
     try {
       last_preserved_ = watcher_->stats();
+      if (memory_) {  // on the step's memory clock
+        const int64_t step_began = common::now_ns() - memory_->elapsed_ns();
+        for (PreservedStorage& p : last_preserved_) {
+          if (p.last_save_ns >= 0) p.last_save_ns = std::max<int64_t>(0, p.last_save_ns - step_began);
+        }
+      }
     } catch (...) {
       last_preserved_.clear();
     }

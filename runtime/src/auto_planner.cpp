@@ -143,7 +143,10 @@ planner::StepPlan AutoPlanner::plan_under_ceiling(const planner::StepInput& inpu
   // ceiling]); with fixed masks it is not a choice. Its figures are the allocator's but for the dropped bytes (tensor
   // bytes): a limit within a few bytes per call below it still keeps everything
   // (AutoPlannerOptions::ceiling_slack_per_call; none when the ceiling is a measurement of keeping everything).
-  const int64_t slack = ceiling_measured_ ? 0 : options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size());
+  const int64_t slack =
+      ceiling_measured_ ? 0
+                        : std::min(options_.ceiling_slack_per_call * static_cast<int64_t>(calls_.size()),
+                                   static_cast<int64_t>(options_.ceiling_slack_fraction * static_cast<double>(limit)));
   const bool ceiling_fits = ceiling != INT64_MAX && limit >= ceiling - slack;
   planner::StepPlan plan;
   try {
@@ -207,7 +210,12 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   }
   std::vector<int64_t> held = prep.extras.held_for_replay;
   if (held.size() != calls_.size()) held.clear();
-  const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline, held);
+  // The copies that undo writes for replays (held from the last save to the step's end; keeping everything makes none).
+  std::vector<planner::HeldToEnd> saved;
+  for (const replay::PreservedStorage& p : session_.last_preserved()) {
+    if (p.last_save_ns >= 0 && p.held_bytes > 0) saved.push_back(planner::HeldToEnd{p.last_save_ns, p.held_bytes});
+  }
+  const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline, held, saved);
   // A step that dropped nothing kept everything: its measured peak (the timeline's points may miss it).
   const bool kept_all = std::all_of(dropped.begin(), dropped.end(), [](int64_t b) { return b == 0; });
   return kept_all && ceiling != INT64_MAX ? std::max(ceiling, measured_peak) : ceiling;

@@ -289,3 +289,31 @@ def test_auto_falls_back_rather_than_probe_a_limit_its_measuring_step_met(seed: 
     assert R.auto_limit_for(outcome.program).frac < 1.0
     assert not outcome.auto_refused, outcome.auto_refused
     assert outcome.auto_over_limit_bytes == 0, f"seed {seed}: the planned step ran {outcome.auto_over_limit_bytes} over"
+
+
+@pytest.mark.parametrize("seed", [68, 528, 1353, 1981, 4181])
+def test_auto_keeps_everything_at_the_no_checkpoint_peak_after_a_data_write(seed: int) -> None:
+    """Found by the 5,000-program run of 2026-12-02 (the third): programs writing through `.data` to a weight a
+    replay reads (in the forward, the backward or between two backwards) dropped values at their no-checkpoint peak.
+    The measuring step held a copy undoing the write for its replays (replay/preserve.h: 256 bytes on 4181) from the
+    write to the step's end, which the keep-everything ceiling counted; keeping everything replays nothing and copies
+    nothing (planner::HeldToEnd)."""
+    program = R.Program.generate(seed)
+    assert R.auto_limit_for(program).frac == 1.0 and program.data_writes
+    outcome = R.check_program(seed, ["full", "none", "auto"])
+    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
+    st = outcome.stats["auto"]
+    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+
+
+@pytest.mark.parametrize("seed", [22, 685, 702])
+def test_auto_does_not_keep_everything_below_an_exact_ceiling(seed: int) -> None:
+    """Found by the 5,000-program runs of 2026-12-02: on programs of 2 KB the keep-everything ceiling was exact
+    (22: 2,080 bytes, as measured) and the limit 6-8% below it, yet within the slack of 64 bytes per block call
+    (AutoPlannerOptions::ceiling_slack_per_call) that lets a limit a few bytes below the ceiling keep everything: the
+    planned step kept everything and ran over. The slack is now at most 0.2% of the limit."""
+    outcome = R.check_program(seed, policies=["none", "full", "auto"])
+    assert R.auto_limit_for(outcome.program).frac < 1.0
+    assert not outcome.auto_refused, outcome.auto_refused
+    assert outcome.stats["auto"].dropped_tensors > 0, outcome.stats["auto"]
+    assert outcome.auto_over_limit_bytes == 0, f"seed {seed}: the planned step ran {outcome.auto_over_limit_bytes} over"

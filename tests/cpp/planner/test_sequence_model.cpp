@@ -98,6 +98,21 @@ TEST(KeepAllCeiling, CountsDroppedValuesStillAliveOnce) {
 
 // A block input held only for the replays (autocast cast it first; the forward saved the cast) is not held by
 // keeping everything: from the call's forward end to the step's end.
+// Copies that undo writes for replays (replay/preserve.h) are held from their save to the step's end; keeping
+// everything saves none: left out from the save on, never before it.
+TEST(KeepAllCeiling, LeavesOutTheCopiesMadeForReplaysFromTheirSave) {
+  const std::vector<TimedBytes> t = two_call_timeline();
+  const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};
+  // Without them: 540 at 41 (500 + 40 pending), 460 at 50, 610 at 61, the largest.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0), 610);
+  // Saved at 45: 360 at 50 and 510 at 61, so 41's 540 is the ceiling.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {{45, 100}}), 540);
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {{5, 100}}), 510);  // alive at every point
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {{70, 100}}), 610);  // after the last point
+  // Two saves: 30 from 5 on, 100 from 55 on: 510 at 41, 480 at 61.
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {{5, 30}, {55, 100}}), 510);
+}
+
 TEST(KeepAllCeiling, LeavesOutWhatACallHeldOnlyForItsReplays) {
   const std::vector<TimedBytes> t = two_call_timeline();
   const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};

@@ -540,7 +540,18 @@ TEST(Runtime, PreserveAutoMeasuresItsTrialsWithoutTheLimitThenKeepsTheBest) {
     const int64_t peak = bank_step(*s, rt, w, bank, &enforced[static_cast<size_t>(step)]);
     if (step == 1) {
       ASSERT_EQ(s->last_preserved().size(), 1u);
-      EXPECT_EQ(s->last_preserved()[0].key, key);
+      const replay::PreservedStorage& p = s->last_preserved()[0];
+      EXPECT_EQ(p.key, key);
+      // The copy was saved at the write, on the step's memory clock: after the block's forward, before its replay
+      // (the keep-everything ceiling leaves it out from then on: planner::HeldToEnd).
+      EXPECT_GT(p.held_bytes, 0);
+      const auto& spans = s->last_memory().spans;
+      ASSERT_EQ(spans.size(), 2u);
+      EXPECT_EQ(spans[0].kind, "forward");
+      EXPECT_EQ(spans[1].kind, "replay");
+      EXPECT_EQ(spans[1].call, "bank");
+      EXPECT_GE(p.last_save_ns, spans[0].end_ns);
+      EXPECT_LE(p.last_save_ns, spans[1].begin_ns);
     }
     rt.after_step(peak, step);
     if (step == 2) {

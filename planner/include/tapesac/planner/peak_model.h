@@ -95,9 +95,18 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
 /// and the model's keep-everything figure.
 /// `release_ns[k]` < 0: the call never replayed (its dropped bytes count to the end). Returns INT64_MAX for an empty
 /// timeline or mismatched sizes (no bound).
+/// `held_to_end`: bytes the step held from a moment (t_ns) to its end only because it replays — the copies that
+/// undo writes to a storage a replay reads (replay/preserve.h: a `.data` write after a block read a weight) —
+/// subtracted from that moment on: keeping everything replays nothing and saves none (random program 4181:
+/// a 256-byte weight region, the ceiling 17,352 for a keep-everything peak of 17,096).
+struct HeldToEnd {
+  int64_t t_ns = 0;
+  int64_t bytes = 0;
+};
 int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
                          const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
-                         int64_t offset, const std::vector<int64_t>& held_bytes = {});
+                         int64_t offset, const std::vector<int64_t>& held_bytes = {},
+                         const std::vector<HeldToEnd>& held_to_end = {});
 
 /// What a measured step held besides the kept bytes of its plan, per block call in forward order (Note [Sequence
 /// model in unusual steps]); empty vectors mean zeros.

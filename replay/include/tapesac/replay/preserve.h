@@ -66,6 +66,9 @@ struct PreservedStorage {
   int64_t save_ns = 0;        // time spent saving at the writes
   int64_t restores = 0;       // private copies rebuilt for replays
   int64_t restore_ns = 0;     // time spent rebuilding them
+  /// When the last save was made (-1: none): WriteWatcher::stats() gives it on common::now_ns()'s clock,
+  /// Session::last_preserved() on the step's memory clock (ns since the step began, as the timeline's points).
+  int64_t last_save_ns = -1;
 };
 
 class WriteWatcher {

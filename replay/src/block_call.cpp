@@ -240,7 +240,7 @@ void BlockCall::observe(const KeepDecision& d) {
   if (ctx_.observer == nullptr || !*ctx_.observer) return;
   const std::vector<uint8_t> kept = d.kept_mask();
   try {
-    (*ctx_.observer)(BlockTapeView{name_, d.signature, recorder_.tape(), d.decidable, d.must_keep, kept});
+    (*ctx_.observer)(BlockTapeView{name_, d.signature, recorder_.tape(), d.decidable, d.must_keep, kept, ctx_.plan_key});
   } catch (...) {
     // Planning input only: a failure to observe (out of memory) must not undo the block's drops; the planner
     // sees fewer calls and re-plans.

@@ -23,6 +23,38 @@ std::string hex_signature(uint64_t s) {
   return buf;
 }
 
+/// A call's spans on the step's memory timeline (TimelineSpan::call: two calls of one block are two calls).
+struct CallSpans {
+  int32_t forwards = 0;  // forward spans (one for a call)
+  int64_t forward_begin = -1, forward_end = -1;  // of its last forward span
+  int64_t first_replay = -1, last_replay = -1;   // begins of its first and last replay spans (-1: none)
+};
+
+std::unordered_map<std::string, CallSpans> spans_by_call(const replay::StepMemoryStats& m) {
+  std::unordered_map<std::string, CallSpans> out;
+  for (const replay::TimelineSpan& sp : m.spans) {
+    CallSpans& c = out[sp.call];
+    if (sp.kind == "forward") {
+      ++c.forwards;
+      c.forward_begin = sp.begin_ns;
+      c.forward_end = sp.end_ns;
+    } else if (sp.kind == "replay") {
+      c.first_replay = c.first_replay < 0 ? sp.begin_ns : std::min(c.first_replay, sp.begin_ns);
+      c.last_replay = std::max(c.last_replay, sp.begin_ns);
+    }
+  }
+  return out;
+}
+
+std::vector<planner::TimedBytes> timed_bytes(const replay::StepMemoryStats& m) {
+  std::vector<planner::TimedBytes> out;
+  out.reserve(m.timeline.size());
+  for (const auto& p : m.timeline) {
+    out.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes, p.dropped_alive_bytes});
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes,
@@ -184,30 +216,16 @@ planner::StepPlan AutoPlanner::plan_step(const planner::StepInput& input, bool s
 
 int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_peak) const {
   const replay::StepMemoryStats& m = session_.last_memory();
-  // Per call (its plan key: two calls of one block are told apart), its forward's end and its last replay's begin.
-  std::unordered_map<std::string, int64_t> forward_end;
-  std::unordered_map<std::string, int64_t> last_replay;
-  for (const replay::TimelineSpan& sp : m.spans) {
-    if (sp.kind == "forward") forward_end[sp.call] = sp.end_ns;
-    if (sp.kind == "replay") {
-      auto [it, inserted] = last_replay.emplace(sp.call, sp.begin_ns);
-      if (!inserted) it->second = std::max(it->second, sp.begin_ns);
-    }
-  }
+  const std::unordered_map<std::string, CallSpans> spans = spans_by_call(m);
   std::vector<int64_t> fwd_end, release, dropped;
   for (size_t j = 0; j < calls_.size(); ++j) {
-    const auto f = forward_end.find(calls_[j].key);
-    if (f == forward_end.end() || j >= prep.extras.keep_all.size()) return INT64_MAX;
-    fwd_end.push_back(f->second);
-    const auto r = last_replay.find(calls_[j].key);
-    release.push_back(r == last_replay.end() ? -1 : r->second);
+    const auto c = spans.find(calls_[j].key);
+    if (c == spans.end() || c->second.forwards == 0 || j >= prep.extras.keep_all.size()) return INT64_MAX;
+    fwd_end.push_back(c->second.forward_end);
+    release.push_back(c->second.last_replay);
     dropped.push_back(std::max<int64_t>(0, prep.extras.keep_all[j] - prep.kept_ref[j]));
   }
-  std::vector<planner::TimedBytes> timeline;
-  timeline.reserve(m.timeline.size());
-  for (const auto& p : m.timeline) {
-    timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes, p.dropped_alive_bytes});
-  }
+  const std::vector<planner::TimedBytes> timeline = timed_bytes(m);
   std::vector<int64_t> held = prep.extras.held_for_replay;
   if (held.size() != calls_.size()) held.clear();
   // The copies that undo writes for replays (held from the last save to the step's end; keeping everything makes none).
@@ -225,7 +243,6 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
 /// figures per call and in total.
 PlanInfo AutoPlanner::install(const planner::StepPlan& plan, const planner::StepInput& input) {
   std::unordered_map<std::string, replay::BlockPlan> plans;
-  std::unordered_map<std::string, int32_t> occurrences;  // calls of each block so far (replay::plan_key)
   PlanInfo out;
   for (size_t i = 0; i < calls_.size(); ++i) {
     const planner::CallPlan& cp = plan.calls[i];
@@ -245,7 +262,7 @@ PlanInfo AutoPlanner::install(const planner::StepPlan& plan, const planner::Step
         if (!cp.keep[k]) bp.schedule.order.push_back(p.candidates[k]);
       }
     }
-    plans.emplace(replay::plan_key(calls_[i].name, occurrences[calls_[i].name]++), std::move(bp));
+    plans.emplace(calls_[i].key, std::move(bp));
     c.name = calls_[i].name;
     c.kept_bytes = cp.kept_bytes;
     c.working_set_bytes = cp.working_set_bytes;
@@ -417,32 +434,16 @@ AutoPlanner::Prepared AutoPlanner::prepare() const {
 /// The memory profile of the session's last step for the observed calls (invalid when a call has no forward span).
 planner::StepProfile AutoPlanner::step_profile(planner::StepExtras* extras) const {
   const replay::StepMemoryStats& m = session_.last_memory();
-  // By call (its plan key: two calls of one block are two calls, each with its forward and its replays).
-  std::unordered_map<std::string, int64_t> first_replay;
-  std::unordered_map<std::string, std::pair<int64_t, int64_t>> forward;
-  for (const replay::TimelineSpan& sp : m.spans) {
-    if (sp.kind == "forward") {
-      if (!forward.emplace(sp.call, std::make_pair(sp.begin_ns, sp.end_ns)).second) return {};
-      continue;
-    }
-    if (sp.kind != "replay") continue;
-    auto [it, inserted] = first_replay.emplace(sp.call, sp.begin_ns);
-    if (!inserted) it->second = std::min(it->second, sp.begin_ns);
-  }
+  const std::unordered_map<std::string, CallSpans> spans = spans_by_call(m);
   std::vector<int64_t> starts, fwd_begin, fwd_end;
   for (const Call& c : calls_) {
-    auto it = first_replay.find(c.key);
-    starts.push_back(it == first_replay.end() ? -1 : it->second);
-    auto f = forward.find(c.key);
-    if (f == forward.end()) return {};
-    fwd_begin.push_back(f->second.first);
-    fwd_end.push_back(f->second.second);
+    const auto it = spans.find(c.key);
+    if (it == spans.end() || it->second.forwards != 1) return {};
+    starts.push_back(it->second.first_replay);
+    fwd_begin.push_back(it->second.forward_begin);
+    fwd_end.push_back(it->second.forward_end);
   }
-  std::vector<planner::TimedBytes> timeline;
-  timeline.reserve(m.timeline.size());
-  for (const auto& p : m.timeline) {
-    timeline.push_back(planner::TimedBytes{p.t_ns, p.bytes, p.replay_bytes, p.dropped_alive_bytes});
-  }
+  const std::vector<planner::TimedBytes> timeline = timed_bytes(m);
   if (extras == nullptr || !extras->retained) return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline);
   // A retained graph (Note [Sequence model in unusual steps]): the first backward's windows end where the second
   // begins; the last backward's start at each call's first replay in it.
@@ -477,9 +478,7 @@ void AutoPlanner::observe(const replay::BlockTapeView& v) {
     for (size_t k = 0; k < holdable->size(); ++k) (*holdable)[k] = replay::holdable(v.tape, static_cast<int32_t>(k));
     holdable_[sig] = std::move(holdable);
   }
-  const auto earlier = std::count_if(calls_.begin(), calls_.end(), [&](const Call& c) { return c.name == v.name; });
-  calls_.push_back(Call{v.name, replay::plan_key(v.name, static_cast<int32_t>(earlier)), v.signature, it->second,
-                        v.kept, holdable_[sig]});
+  calls_.push_back(Call{v.name, v.plan_key, v.signature, it->second, v.kept, holdable_[sig]});
 }
 
 }  // namespace tapesac::runtime

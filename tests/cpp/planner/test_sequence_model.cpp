@@ -96,8 +96,6 @@ TEST(KeepAllCeiling, CountsDroppedValuesStillAliveOnce) {
   EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0), 430);
 }
 
-// A block input held only for the replays (autocast cast it first; the forward saved the cast) is not held by
-// keeping everything: from the call's forward end to the step's end.
 // Copies that undo writes for replays (replay/preserve.h) are held from their save to the step's end; keeping
 // everything saves none: left out from the save on, never before it.
 TEST(KeepAllCeiling, LeavesOutTheCopiesMadeForReplaysFromTheirSave) {
@@ -113,6 +111,8 @@ TEST(KeepAllCeiling, LeavesOutTheCopiesMadeForReplaysFromTheirSave) {
   EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {{5, 30}, {55, 100}}), 510);
 }
 
+// A block input held only for the replays (autocast cast it first; the forward saved the cast) is not held by
+// keeping everything: from the call's forward end to the step's end.
 TEST(KeepAllCeiling, LeavesOutWhatACallHeldOnlyForItsReplays) {
   const std::vector<TimedBytes> t = two_call_timeline();
   const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};

@@ -73,6 +73,15 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
                          const std::vector<int64_t>& forward_end_ns, const std::vector<int64_t>& replay_start_ns,
                          int64_t offset, int64_t end_ns = std::numeric_limits<int64_t>::max());
 
+/// Bytes a step held from `t_ns` to its end only because it replays: the copies that undo writes to a storage a
+/// replay reads (replay/preserve.h: a `.data` write after a block read a weight). Keeping everything replays nothing
+/// and saves none (random program 4181: a 256-byte weight region, the ceiling 17,352 for a keep-everything peak of
+/// 17,096).
+struct HeldToEnd {
+  int64_t t_ns = 0;
+  int64_t bytes = 0;
+};
+
 /// Note [Keep-everything ceiling]. Neither peak model ever sees a step that kept everything before one runs: both
 /// extrapolate from the plan that ran ("full" on the measuring step), and either can miss keeping everything by
 /// kilobytes (the additive model holds every call's kept bytes at once: 30,556 predicted, 26,608 measured on a
@@ -95,14 +104,8 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
 /// and the model's keep-everything figure.
 /// `release_ns[k]` < 0: the call never replayed (its dropped bytes count to the end). Returns INT64_MAX for an empty
 /// timeline or mismatched sizes (no bound).
-/// `held_to_end`: bytes the step held from a moment (t_ns) to its end only because it replays — the copies that
-/// undo writes to a storage a replay reads (replay/preserve.h: a `.data` write after a block read a weight) —
-/// subtracted from that moment on: keeping everything replays nothing and saves none (random program 4181:
-/// a 256-byte weight region, the ceiling 17,352 for a keep-everything peak of 17,096).
-struct HeldToEnd {
-  int64_t t_ns = 0;
-  int64_t bytes = 0;
-};
+/// `held_to_end`: what the step held only because it replays from a moment to its end (HeldToEnd), subtracted from
+/// that moment on.
 int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
                          const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
                          int64_t offset, const std::vector<int64_t>& held_bytes = {},

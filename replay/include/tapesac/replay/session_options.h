@@ -30,6 +30,7 @@ struct BlockTapeView {
   const std::vector<capture::ValueId>& candidates;
   const std::vector<uint8_t>& must_keep;
   const std::vector<uint8_t>& kept;
+  const std::string& plan_key;  ///< the call's key among the step's plans (plan_key(), as its timeline spans' call)
 };
 
 using TapeObserver = std::function<void(const BlockTapeView&)>;

@@ -38,6 +38,7 @@ struct CountedContext {
   int64_t bytes = 0;
   std::array<Phase, kMaxChain> phases{};
   bool dropped_alive = false;  // Note [Dropped bytes still alive]
+  int32_t alive_tag = -1;      // the mark's tag (-1: none)
 };
 
 // Counted allocations by data pointer. A counted DataPtr has context == data (like the default CPU allocator's),
@@ -59,13 +60,17 @@ class CountedTable {
     sh.map.erase(it);
     return true;
   }
-  /// Sets the entry's dropped_alive flag to `on`; the counter and bytes to tell when it changed (null otherwise).
-  std::shared_ptr<MemoryCounter> set_dropped_alive(const void* data, bool on, int64_t& bytes) {
+  /// Sets the entry's dropped_alive flag to `on` (marking with `tag`); the counter, bytes and the mark's tag to
+  /// tell when it changed (null otherwise).
+  std::shared_ptr<MemoryCounter> set_dropped_alive(const void* data, bool on, int32_t& tag, int64_t& bytes) {
     Shard& sh = shard(data);
     std::lock_guard<std::mutex> lock(sh.mu);
     auto it = sh.map.find(const_cast<void*>(data));
     if (it == sh.map.end() || it->second.dropped_alive == on) return nullptr;
+    if (!on && tag >= 0 && it->second.alive_tag != tag) return nullptr;  // another owner's mark (a reused address)
     it->second.dropped_alive = on;
+    if (on) it->second.alive_tag = tag;
+    tag = it->second.alive_tag;
     bytes = it->second.bytes;
     return it->second.counter;
   }
@@ -106,21 +111,24 @@ void delete_counted(void* data) {
 void uncount(const CountedContext& ctx) noexcept {
   int depth = 0;
   for (MemoryCounter* c = ctx.counter.get(); c != nullptr; c = c->parent().get(), ++depth) {
-    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[static_cast<size_t>(depth)] : c->phase(), ctx.dropped_alive);
+    c->on_free(ctx.bytes, depth < kMaxChain ? ctx.phases[static_cast<size_t>(depth)] : c->phase(), ctx.dropped_alive,
+               ctx.alive_tag);
   }
 }
 
 // Returns the bytes whose mark changed (0: not a counted allocation, or already in that state).
-int64_t change_dropped_alive(const void* data, bool on) noexcept {
+int64_t change_dropped_alive(const void* data, bool on, int32_t tag) noexcept {
   if (data == nullptr) return 0;
   int64_t bytes = 0;
   std::shared_ptr<MemoryCounter> counter;
   try {
-    counter = counted_table().set_dropped_alive(data, on, bytes);
+    counter = counted_table().set_dropped_alive(data, on, tag, bytes);
   } catch (...) {
     return 0;  // the shard's lock failed: telemetry never fails the caller
   }
-  for (MemoryCounter* c = counter.get(); c != nullptr; c = c->parent().get()) c->on_dropped_alive(on ? bytes : -bytes);
+  for (MemoryCounter* c = counter.get(); c != nullptr; c = c->parent().get()) {
+    c->on_dropped_alive(on ? bytes : -bytes, tag);
+  }
   return counter ? bytes : 0;
 }
 
@@ -234,16 +242,32 @@ void MemoryCounter::on_alloc(int64_t bytes, Phase phase) noexcept {
   if (max_points_ > 0) record(cur);
 }
 
-void MemoryCounter::on_free(int64_t bytes, Phase alloc_phase, bool dropped_alive) noexcept {
+void MemoryCounter::on_free(int64_t bytes, Phase alloc_phase, bool dropped_alive, int32_t alive_tag) noexcept {
   if (dropped_alive) dropped_alive_.fetch_sub(bytes, std::memory_order_relaxed);
   int64_t cur = current_.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
   phases_[static_cast<int>(alloc_phase)].current.fetch_sub(bytes, std::memory_order_relaxed);
-  if (max_points_ > 0) record(cur);
+  if (max_points_ > 0) {
+    if (dropped_alive && alive_tag >= 0) record_alive(alive_tag, -bytes);  // before the point: gone at its time
+    record(cur);
+  }
 }
 
-void MemoryCounter::on_dropped_alive(int64_t bytes) noexcept {
+void MemoryCounter::on_dropped_alive(int64_t bytes, int32_t tag) noexcept {
   dropped_alive_.fetch_add(bytes, std::memory_order_relaxed);
-  if (max_points_ > 0) record(current());
+  if (max_points_ > 0) {
+    if (tag >= 0) record_alive(tag, bytes);
+    record(current());
+  }
+}
+
+void MemoryCounter::record_alive(int32_t tag, int64_t bytes) noexcept {
+  const AliveChange c{now_ns() - start_ns_, tag, bytes};
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  try {
+    alive_changes_.push_back(c);  // a few per block call (its dropped tensors something else holds)
+  } catch (...) {
+    // Out of memory: the change is lost (telemetry never fails an allocation).
+  }
 }
 
 void MemoryCounter::set_phase(Phase p) noexcept {
@@ -299,6 +323,11 @@ std::vector<TimelinePoint> MemoryCounter::timeline() const {
   return points_;
 }
 
+std::vector<AliveChange> MemoryCounter::alive_changes() const {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  return alive_changes_;
+}
+
 CountingAllocatorUse::CountingAllocatorUse() { counting_allocator().install(); }
 CountingAllocatorUse::~CountingAllocatorUse() { counting_allocator().uninstall(); }
 bool CountingAllocatorUse::installed() noexcept { return counting_allocator().is_installed(); }
@@ -329,8 +358,8 @@ ScopedCounter::~ScopedCounter() {
 
 MemoryCounter* active_counter() noexcept { return tls_active; }
 
-int64_t mark_dropped_alive(const void* data) noexcept { return change_dropped_alive(data, true); }
+int64_t mark_dropped_alive(const void* data, int32_t tag) noexcept { return change_dropped_alive(data, true, tag); }
 
-void unmark_dropped_alive(const void* data) noexcept { change_dropped_alive(data, false); }
+void unmark_dropped_alive(const void* data, int32_t tag) noexcept { change_dropped_alive(data, false, tag); }
 
 }  // namespace tapesac::allocator

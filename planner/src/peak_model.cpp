@@ -86,22 +86,38 @@ std::vector<RestLevel> reduce_levels(std::vector<RestLevel> levels, size_t max_l
 int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vector<int64_t>& forward_end_ns,
                          const std::vector<int64_t>& release_ns, const std::vector<int64_t>& dropped_bytes,
                          int64_t offset, const std::vector<int64_t>& held_bytes,
-                         const std::vector<HeldToEnd>& held_to_end) {
+                         const std::vector<HeldToEnd>& held_to_end, const std::vector<CallAlive>* alive) {
   const size_t n = forward_end_ns.size();
   if (timeline.empty() || release_ns.size() != n || dropped_bytes.size() != n ||
       (!held_bytes.empty() && held_bytes.size() != n)) {
     return std::numeric_limits<int64_t>::max();
   }
+  std::vector<CallAlive> changes;
+  if (alive != nullptr) {
+    changes = *alive;
+    std::stable_sort(changes.begin(), changes.end(),
+                     [](const CallAlive& a, const CallAlive& b) { return a.t_ns < b.t_ns; });
+  }
+  std::vector<int64_t> alive_of(n, 0);  // per call, its dropped bytes the step held at the point
+  int64_t alive_unknown = 0;
+  size_t next_change = 0;
   int64_t ceiling = std::numeric_limits<int64_t>::min();
   for (const TimedBytes& pt : timeline) {
+    for (; next_change < changes.size() && changes[next_change].t_ns <= pt.t_ns; ++next_change) {
+      const CallAlive& c = changes[next_change];
+      (c.call >= 0 && static_cast<size_t>(c.call) < n ? alive_of[static_cast<size_t>(c.call)] : alive_unknown) +=
+          c.bytes;
+    }
+    int64_t counted_alive = alive != nullptr ? alive_unknown : pt.dropped_alive;
     int64_t pending = 0;
     int64_t rebuilt = 0;  // dropped bytes of the calls whose last replay has begun: the most of them still alive
     for (size_t k = 0; k < n; ++k) {
       const bool released = release_ns[k] >= 0 && pt.t_ns >= release_ns[k];
       if (released) {
         rebuilt += dropped_bytes[k];
-      } else if (pt.t_ns >= forward_end_ns[k]) {
-        pending += dropped_bytes[k];
+      } else {
+        if (pt.t_ns >= forward_end_ns[k]) pending += dropped_bytes[k];
+        if (alive != nullptr) counted_alive += alive_of[k];
       }
       // Held for the replays from the forward's end to the step's (the call releases its inputs at the step end).
       if (pt.t_ns >= forward_end_ns[k] && !held_bytes.empty()) pending -= held_bytes[k];
@@ -109,7 +125,7 @@ int64_t keep_all_ceiling(const std::vector<TimedBytes>& timeline, const std::vec
     for (const HeldToEnd& h : held_to_end) {
       if (pt.t_ns >= h.t_ns) pending -= h.bytes;
     }
-    ceiling = std::max(ceiling, pt.bytes - pt.replay_bytes + std::min(pt.replay_bytes, rebuilt) - pt.dropped_alive +
+    ceiling = std::max(ceiling, pt.bytes - pt.replay_bytes + std::min(pt.replay_bytes, rebuilt) - counted_alive +
                                     offset + pending);
   }
   return ceiling;

@@ -338,9 +338,14 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
   unique_sorted(dropped_storages);
   st.dropped_bytes += sum(dropped_storages);
   // Note [Dropped bytes still alive] (allocator/telemetry.h): what dropping did not free is marked on the memory
-  // timeline until this call's backward begins, so the keep-everything ceiling does not count it twice.
+  // timeline, tagged with this call, until it is freed or the step ends, so the keep-everything ceiling does not
+  // count it twice while the call's dropped bytes are pending (until its last replay begins; a value alive at
+  // its unpack is served as it is and never rebuilt, Note [a dropped tensor still alive]).
+  if (!dropped_slots.empty() && ctx_.memory) alive_tag_ = ctx_.memory->alive_tag(ctx_.plan_key);
   for (const Slot* s : dropped_slots) {
-    if (storage_alive(*s) && allocator::mark_dropped_alive(s->storage_data) > 0) marked_alive_.push_back(s->storage_data);
+    if (storage_alive(*s) && allocator::mark_dropped_alive(s->storage_data, alive_tag_) > 0) {
+      marked_alive_.push_back(s->storage_data);
+    }
   }
   std::sort(dropped_values_.begin(), dropped_values_.end());
   remaining_ = handles_;
@@ -397,7 +402,7 @@ void BlockCall::close_step() noexcept {
 }
 
 void BlockCall::unmark_alive() noexcept {
-  for (const void* data : marked_alive_) allocator::unmark_dropped_alive(data);
+  for (const void* data : marked_alive_) allocator::unmark_dropped_alive(data, alive_tag_);
   marked_alive_.clear();
 }
 

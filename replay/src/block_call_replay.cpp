@@ -23,7 +23,6 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   const Slot& s = slots_[static_cast<size_t>(slot)];
   TAPESAC_INTERNAL_ASSERT(!s.released, "slot ", slot, " of block ", name_, " unpacked after its handle was freed");
   begin_backward();
-  unmark_alive();  // Note [Dropped bytes still alive]: marked from the drop to the call's first unpack
   contract_.check_saved(s.version, s.saved_version, slot, s.value);
   ++closed_stats_.unpacks;
   if (!s.dropped) return serve_kept(slot);

@@ -31,6 +31,14 @@ void StepMemory::add_span(TimelineSpan span) {
   if (spans_.size() < kMaxSpans) spans_.push_back(std::move(span));
 }
 
+int32_t StepMemory::alive_tag(const std::string& call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = std::find(alive_calls_.begin(), alive_calls_.end(), call);
+  if (it != alive_calls_.end()) return static_cast<int32_t>(it - alive_calls_.begin());
+  alive_calls_.push_back(call);
+  return static_cast<int32_t>(alive_calls_.size() - 1);
+}
+
 void StepMemory::add_record(ReplayRecord record) {
   std::lock_guard<std::mutex> lock(mu_);
   if (records_.size() < kMaxRecords) records_.push_back(std::move(record));
@@ -55,8 +63,10 @@ StepMemoryStats StepMemoryStats::of(const StepMemory& m, int64_t memory_limit) {
   s.replay_pieces = m.replay_pieces_.load();
   s.memory_limit = memory_limit;
   s.timeline = m.counter_->timeline();
+  s.alive_changes = m.counter_->alive_changes();
   std::lock_guard<std::mutex> lock(m.mu_);
   s.spans = m.spans_;
+  s.alive_calls = m.alive_calls_;
   return s;
 }
 

@@ -233,7 +233,21 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   for (const replay::PreservedStorage& p : session_.last_preserved()) {
     if (p.last_save_ns >= 0 && p.held_bytes > 0) saved.push_back(planner::HeldToEnd{p.last_save_ns, p.held_bytes});
   }
-  const int64_t ceiling = planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline, held, saved);
+  // The dropped bytes each call's step held anyway (Note [Dropped bytes still alive]), by call.
+  std::vector<planner::CallAlive> alive;
+  alive.reserve(m.alive_changes.size());
+  for (const allocator::AliveChange& c : m.alive_changes) {
+    int32_t call = -1;
+    if (c.tag >= 0 && static_cast<size_t>(c.tag) < m.alive_calls.size()) {
+      const std::string& key = m.alive_calls[static_cast<size_t>(c.tag)];
+      for (size_t j = 0; j < calls_.size(); ++j) {
+        if (calls_[j].key == key) call = static_cast<int32_t>(j);
+      }
+    }
+    alive.push_back(planner::CallAlive{c.t_ns, call, c.bytes});
+  }
+  const int64_t ceiling =
+      planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline, held, saved, &alive);
   // A step that dropped nothing kept everything: its measured peak (the timeline's points may miss it).
   const bool kept_all = std::all_of(dropped.begin(), dropped.end(), [](int64_t b) { return b == 0; });
   return kept_all && ceiling != INT64_MAX ? std::max(ceiling, measured_peak) : ceiling;

@@ -218,6 +218,43 @@ TEST(CountingAllocator, MarkedDroppedBytesAreOnTheTimelineUntilUnmarkedOrFreed) 
   EXPECT_EQ(dropped, (std::vector<int64_t>{0, 0, 400, 500, 400, 0}));
 }
 
+// A tagged mark's changes are logged per counter (AliveChange): marked, unmarked, freed while marked; untagged marks
+// log nothing, and an unmark with another tag (an address handed out again) leaves the mark alone.
+TEST(CountingAllocator, TaggedMarksLogTheirChanges) {
+  CountingAllocatorUse use;
+  auto outer = std::make_shared<MemoryCounter>(/*timeline_points=*/64);
+  auto counter = std::make_shared<MemoryCounter>(/*timeline_points=*/64);
+  ScopedCounter outer_scope(outer);
+  ScopedCounter scope(counter);
+  at::Tensor a = at::empty({100}, at::kFloat);  // 400 bytes
+  at::Tensor b = at::empty({25}, at::kFloat);   // 100 bytes
+  at::Tensor c = at::empty({10}, at::kFloat);   // 40 bytes
+  EXPECT_EQ(mark_dropped_alive(a.storage().data(), 3), 400);
+  EXPECT_EQ(mark_dropped_alive(b.storage().data(), 5), 100);
+  EXPECT_EQ(mark_dropped_alive(c.storage().data()), 40);  // untagged
+  unmark_dropped_alive(b.storage().data(), 4);  // another tag's unmark: no-op
+  EXPECT_EQ(counter->dropped_alive(), 540);
+  unmark_dropped_alive(b.storage().data(), 5);
+  a.reset();  // freed while marked
+  unmark_dropped_alive(c.storage().data());
+  EXPECT_EQ(counter->dropped_alive(), 0);
+  for (const auto& m : {counter, outer}) {
+    const std::vector<AliveChange> changes = m->alive_changes();
+    std::vector<std::pair<int32_t, int64_t>> got;
+    int64_t last = 0;
+    for (const AliveChange& ch : changes) {
+      got.emplace_back(ch.tag, ch.bytes);
+      EXPECT_GE(ch.t_ns, last);
+      last = ch.t_ns;
+    }
+    EXPECT_EQ(got, (std::vector<std::pair<int32_t, int64_t>>{{3, 400}, {5, 100}, {5, -100}, {3, -400}}));
+  }
+  // The free's change comes no later than its timeline point (a reader sees the bytes gone at that point).
+  const std::vector<TimelinePoint> pts = counter->timeline();
+  ASSERT_FALSE(pts.empty());
+  EXPECT_LE(counter->alive_changes().back().t_ns, pts[pts.size() - 2].t_ns);
+}
+
 TEST(CountingAllocator, ScopesEndedOutOfOrderLeaveNoDanglingCounter) {
   CountingAllocatorUse use;
   auto a = std::make_shared<MemoryCounter>();

@@ -96,6 +96,31 @@ TEST(KeepAllCeiling, CountsDroppedValuesStillAliveOnce) {
   EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0), 430);
 }
 
+// Dropped values the step held anyway, by call (CallAlive): counted once only while their call's dropped bytes are
+// pending. After the call's last replay began they are in bytes(t) alone (a value alive at its unpack is served,
+// not rebuilt): subtracting them then would leave them out (random program 2141).
+TEST(KeepAllCeiling, CountsACallsDroppedValuesStillAliveOnlyWhileThatCallIsPending) {
+  std::vector<TimedBytes> t = two_call_timeline();
+  t[6].replay_bytes = 300;
+  t[7].replay_bytes = 20;
+  t[8].replay_bytes = 500;
+  const std::vector<int64_t> fwd_end{20, 30}, release{60, 40}, dropped{40, 70};
+  // 30 of call 1's 70 alive from 31 to 55. Pending at 35 (260 - 30 + 110); at 41 and 50 call 1 is released:
+  // 310 and 460 (as without them), so 50's 460 is the ceiling.
+  const std::vector<CallAlive> call1{{31, 1, 30}, {55, 1, -30}};
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {}, &call1), 460);
+  // The same bytes as the points' dropped_alive (no call): subtracted at 35, 41 and 50, so 22's 440 is the top.
+  for (size_t i : {5, 6, 7}) t[i].dropped_alive = 30;
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0), 440);
+  // Given by call, the points' dropped_alive is not read; a change of no known call is subtracted throughout.
+  const std::vector<CallAlive> unknown{{31, -1, 30}, {55, -1, -30}};
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {}, &call1), 460);
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {}, &unknown), 440);
+  // Call 0's 30 alive from 21 to 55: pending there until 60, subtracted at 22 (410), 35 (340), 50 (430).
+  const std::vector<CallAlive> call0{{55, 0, -30}, {21, 0, 30}};  // in any order
+  EXPECT_EQ(keep_all_ceiling(t, fwd_end, release, dropped, 0, {}, {}, &call0), 430);
+}
+
 // Copies that undo writes for replays (replay/preserve.h) are held from their save to the step's end; keeping
 // everything saves none: left out from the save on, never before it.
 TEST(KeepAllCeiling, LeavesOutTheCopiesMadeForReplaysFromTheirSave) {

@@ -22,7 +22,10 @@
 //    activation, a later block). Until it is unmarked or freed its bytes are also in the counter's
 //    `dropped_alive()` gauge and in every timeline point's `dropped_alive_bytes`, so a reader of the timeline can
 //    tell when such bytes died (the cast cache is cleared at the end of the autocast region, which is not the end
-//    of the forward nor the start of the backward).
+//    of the forward nor the start of the backward). A mark may carry a tag (the block call it belongs to): with a
+//    timeline enabled, the counter then also logs each change of a tagged mark (marked, unmarked, freed while
+//    marked) as an AliveChange, so a reader can tell whose dropped bytes were alive when (the keep-everything
+//    ceiling counts them only while their call's dropped bytes are pending).
 //  * Thread-safe: gauges are atomics; the timeline has a mutex (taken only when a timeline is enabled).
 #pragma once
 
@@ -55,17 +58,25 @@ struct TimelinePoint {
   int64_t dropped_alive_bytes = 0;  // of `bytes`, those marked dropped but still alive (Note [Dropped bytes still alive])
 };
 
+/// A change of a tagged mark (Note [Dropped bytes still alive]): `bytes` > 0 marked, < 0 unmarked or freed.
+struct AliveChange {
+  int64_t t_ns = 0;  // the timeline's clock
+  int32_t tag = -1;
+  int64_t bytes = 0;
+};
+
 class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
  public:
   /// `timeline_points`: 0 disables the timeline; otherwise its bound (at least 64).
   explicit MemoryCounter(size_t timeline_points = 0);
 
   void on_alloc(int64_t bytes, Phase phase) noexcept;
-  /// `dropped_alive`: the allocation was marked (Note [Dropped bytes still alive]); its bytes leave that gauge too.
-  void on_free(int64_t bytes, Phase alloc_phase, bool dropped_alive = false) noexcept;
+  /// `dropped_alive`: the allocation was marked (Note [Dropped bytes still alive]) with tag `alive_tag` (-1: none);
+  /// its bytes leave that gauge too.
+  void on_free(int64_t bytes, Phase alloc_phase, bool dropped_alive = false, int32_t alive_tag = -1) noexcept;
   /// `bytes` of the counter's allocations were marked (> 0) or unmarked / freed while marked (< 0) as dropped but
-  /// still alive (Note [Dropped bytes still alive]); records a timeline point.
-  void on_dropped_alive(int64_t bytes) noexcept;
+  /// still alive (Note [Dropped bytes still alive]); records a timeline point, and an AliveChange for a tag >= 0.
+  void on_dropped_alive(int64_t bytes, int32_t tag = -1) noexcept;
   int64_t dropped_alive() const noexcept { return dropped_alive_.load(std::memory_order_relaxed); }
 
   void set_phase(Phase p) noexcept;
@@ -82,6 +93,8 @@ class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
   int64_t begin_window() noexcept;
   int64_t window_peak() const noexcept { return window_peak_.load(std::memory_order_relaxed); }
   std::vector<TimelinePoint> timeline() const;
+  /// The changes of tagged marks, in time order (empty without a timeline).
+  std::vector<AliveChange> alive_changes() const;
 
   /// The counter that was active when this one was first pushed (nested scopes count into both).
   const std::shared_ptr<MemoryCounter>& parent() const noexcept { return parent_; }
@@ -92,6 +105,7 @@ class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
     std::atomic<int64_t> current{0}, peak{0}, allocated{0}, allocations{0};
   };
   void record(int64_t bytes) noexcept;
+  void record_alive(int32_t tag, int64_t bytes) noexcept;
 
   std::shared_ptr<MemoryCounter> parent_;
   std::atomic<int64_t> current_{0}, peak_{0}, allocated_{0}, allocations_{0}, window_peak_{0}, dropped_alive_{0};
@@ -101,6 +115,7 @@ class MemoryCounter : public std::enable_shared_from_this<MemoryCounter> {
   size_t max_points_;
   mutable std::mutex timeline_mu_;
   std::vector<TimelinePoint> points_;
+  std::vector<AliveChange> alive_changes_;  // guarded by timeline_mu_
 };
 
 /// Keeps the counting layer installed as torch's CPU allocator while alive (reference counted).
@@ -133,9 +148,11 @@ MemoryCounter* active_counter() noexcept;
 /// Marks the counted allocation whose data pointer is `data` as holding a dropped tensor that is still alive (Note
 /// [Dropped bytes still alive]): its bytes join the dropped_alive() gauge of every counter that counted it, until
 /// unmark_dropped_alive() or its free. Returns the bytes marked: 0 when `data` is not a counted allocation (made
-/// outside any counter, on the GPU) or is marked already. Any thread.
-int64_t mark_dropped_alive(const void* data) noexcept;
-/// Takes a mark back (no-op when `data` is not marked, or freed already). Any thread.
-void unmark_dropped_alive(const void* data) noexcept;
+/// outside any counter, on the GPU) or is marked already. `tag` >= 0: whose bytes these are (the counters log
+/// the mark's changes as AliveChange). Any thread.
+int64_t mark_dropped_alive(const void* data, int32_t tag = -1) noexcept;
+/// Takes a mark back (no-op when `data` is not marked, or freed already; with `tag` >= 0, also when it is marked
+/// with another tag: the address was freed and handed out again). Any thread.
+void unmark_dropped_alive(const void* data, int32_t tag = -1) noexcept;
 
 }  // namespace tapesac::allocator

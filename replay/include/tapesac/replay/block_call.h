@@ -280,8 +280,9 @@ class BlockCall : public capture::RecorderListener,
   std::optional<std::vector<int32_t>> alive_dropped_slots_;
   std::unordered_set<ValueId> alive_at_unpack_;
   int64_t held_for_replay_bytes_ = 0;
-  // Data pointers of the dropped storages drop() marked alive, until the call's first unpack or the step's end.
+  // Data pointers of the dropped storages drop() marked alive, until their free or the step's end.
   std::vector<const void*> marked_alive_;
+  int32_t alive_tag_ = -1;  // this call's tag on the memory timeline (StepMemory::alive_tag)
   // The first backward's rebuilt values (weak), and those still alive when a second backward over the graph began.
   std::vector<std::pair<ValueId, c10::weak_intrusive_ptr<c10::StorageImpl>>> rebuilt_first_round_;
   std::vector<int32_t> rebuilt_alive_at_second_;

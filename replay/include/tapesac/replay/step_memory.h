@@ -63,6 +63,9 @@ class StepMemory {
   allocator::ArenaAccounting& arena() { return arena_; }
   void count_replay_piece() { ++replay_pieces_; }
   void add_span(TimelineSpan span);
+  /// The tag of call `call` (its plan key) for allocator::mark_dropped_alive: the counter logs the changes of its
+  /// marks, StepMemoryStats::alive_changes, so the keep-everything ceiling knows whose dropped bytes were alive when.
+  int32_t alive_tag(const std::string& call);
   void add_record(ReplayRecord record);
   /// Moves the records out (step end).
   std::vector<ReplayRecord> take_records();
@@ -77,6 +80,7 @@ class StepMemory {
   std::atomic<int64_t> replay_pieces_{0};
   mutable std::mutex mu_;
   std::vector<TimelineSpan> spans_;     // guarded by mu_
+  std::vector<std::string> alive_calls_;  // guarded by mu_: a tag's call
   std::vector<ReplayRecord> records_;   // guarded by mu_
 };
 
@@ -91,6 +95,10 @@ struct StepMemoryStats {
   int64_t memory_limit = 0;
   std::vector<allocator::TimelinePoint> timeline;
   std::vector<TimelineSpan> spans;
+  /// The changes of the marks of dropped bytes still alive, by call (allocator::AliveChange; a change's tag indexes
+  /// alive_calls, the calls' plan keys).
+  std::vector<allocator::AliveChange> alive_changes;
+  std::vector<std::string> alive_calls;
 
   /// Snapshots `m` (copies the timeline and the spans). May throw std::bad_alloc.
   static StepMemoryStats of(const StepMemory& m, int64_t memory_limit);

@@ -78,9 +78,9 @@ void bind_runtime_results(py::class_<Runtime>& c) {
                                return out;
                              })
       .def_property_readonly("preservation_trials", [](const Runtime& r) {
-        std::vector<TrialTuple> out;
+        std::vector<std::tuple<std::string, int64_t, double, bool>> out;  // TrialTuple and whether it was measured
         for (const auto& t : r.preservation().trials())
-          out.emplace_back(runtime::preserve_choice_name(t.mode), t.peak_bytes, t.cost_ms);
+          out.emplace_back(runtime::preserve_choice_name(t.mode), t.peak_bytes, t.cost_ms, t.measured);
         return out;
       });
 }

@@ -19,15 +19,18 @@ __all__ = ["Trial", "pick"]
 
 @dataclass(frozen=True)
 class Trial:
-    """One measured step under one preservation mode."""
+    """One measured step under one preservation mode, or (``measured`` false) a mode left untried because under the
+    memory limit it might not have fitted: ``peak_bytes`` is then the bound that was over the limit (-1: none known),
+    Note [Trials under a limit] in ``runtime/preservation_chooser.h``."""
 
     mode: str
     peak_bytes: int
     cost_ms: float  # replay time plus the preservation's own saving and rebuilding time
+    measured: bool = True
 
 
 def pick(trials: Iterable[Trial], limit: int | None) -> str:
     """The mode to keep: without a limit the lowest measured peak (ties: the cheapest); with one, the cheapest of
-    the modes whose measured peak stays under it, else the lowest peak. Raises ConfigError (a ValueError) without
-    trials."""
-    return _C.pick_preservation([(t.mode, t.peak_bytes, t.cost_ms) for t in trials], limit or 0)
+    the modes whose measured peak stays under it, else the lowest peak; untried modes are never picked. Raises
+    ConfigError (a ValueError) without a measured trial."""
+    return _C.pick_preservation([(t.mode, t.peak_bytes, t.cost_ms) for t in trials if t.measured], limit or 0)

@@ -39,14 +39,15 @@ PreservePolicy parse_preserve_policy(const std::string& name) {
 }
 
 PreserveChoice pick_preservation(const std::vector<PreservationTrial>& trials, int64_t limit_bytes) {
-  TAPESAC_CHECK(!trials.empty(), kConfig, "pick() needs at least one measured trial");
+  TAPESAC_CHECK(std::any_of(trials.begin(), trials.end(), [](const PreservationTrial& t) { return t.measured; }),
+                kConfig, "pick() needs at least one measured trial");
   auto by_peak = [](const PreservationTrial& t) { return std::make_tuple(t.peak_bytes, t.cost_ms); };
   auto by_cost = [](const PreservationTrial& t) { return std::make_tuple(t.cost_ms, t.peak_bytes); };
   // The first of the smallest by `key` (as Python's min()), among the trials `fits` accepts.
   auto first_min = [&](auto key, auto fits) -> const PreservationTrial* {
     const PreservationTrial* best = nullptr;
     for (const PreservationTrial& t : trials) {
-      if (fits(t) && (best == nullptr || key(t) < key(*best))) best = &t;
+      if (t.measured && fits(t) && (best == nullptr || key(t) < key(*best))) best = &t;
     }
     return best;
   };
@@ -75,7 +76,8 @@ bool PreservationChooser::exploring() const {
   return options_.policy == PreservePolicy::kAuto && !chosen_ && !choices_.empty();
 }
 
-std::optional<PreserveChoice> PreservationChooser::mode_after(const PreservationStep& step, int64_t limit_bytes) {
+std::optional<PreserveChoice> PreservationChooser::mode_after(const PreservationStep& step, int64_t limit_bytes,
+                                                              const PreservationBounds& bounds) {
   if (options_.policy == PreservePolicy::kKeep) return PreserveChoice::kKeep;
   if (options_.policy != PreservePolicy::kAuto) return std::nullopt;
   if (chosen_) return chosen_;
@@ -84,13 +86,20 @@ std::optional<PreserveChoice> PreservationChooser::mode_after(const Preservation
   for (PreserveChoice c : kExploredChoices) {
     const bool tried =
         std::any_of(trials_.begin(), trials_.end(), [&](const PreservationTrial& t) { return t.mode == c; });
-    if (!tried) return trying_ = c;
+    if (tried) continue;
+    const int64_t bound = bounds.of(c);
+    if (limit_bytes > 0 && (bound < 0 || bound > limit_bytes)) {  // Note [Trials under a limit]
+      trials_.push_back(PreservationTrial{c, bound, 0.0, false});
+      continue;
+    }
+    return trying_ = c;
   }
   return chosen_ = pick_preservation(trials_, limit_bytes);
 }
 
-bool PreservationChooser::after_step(const PreservationStep& step, int64_t limit_bytes) {
-  const std::optional<PreserveChoice> mode = mode_after(step, limit_bytes);
+bool PreservationChooser::after_step(const PreservationStep& step, int64_t limit_bytes,
+                                     const PreservationBounds& bounds) {
+  const std::optional<PreserveChoice> mode = mode_after(step, limit_bytes, bounds);
   if (!mode) return false;
   std::unordered_map<const void*, PreserveChoice> next;
   for (const void* key : step.written) next[key] = *mode;

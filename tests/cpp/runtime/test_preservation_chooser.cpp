@@ -54,6 +54,52 @@ TEST(PickPreservation, TiesGoToTheLowerPeakOrTheCheaperThenTheFirst) {
   EXPECT_THROW(parse_preserve_policy("sometimes"), Error);
 }
 
+// Note [Trials under a limit]: a mode whose bound is over the limit (or unknown) is not tried; it is recorded as
+// untried and never picked. Without a limit the bounds do not matter.
+TEST(PreservationChooser, UnderALimitSkipsTheModesNotBoundedWithinIt) {
+  PreservationChooser c = chooser(PreservePolicy::kAuto);
+  PreservationBounds b;
+  b.snapshots_peak = 3600;  // over the 3,500 limit
+  b.keep_peak = 3400;
+  EXPECT_TRUE(c.after_step(wrote({bank(0)}, 3000, 4.0), 3500, b));  // ran regions
+  EXPECT_EQ(c.choices().at(bank(0)), C::kKeep);                       // snapshots skipped: keep is next
+  ASSERT_EQ(c.trials().size(), 2u);
+  EXPECT_EQ(c.trials()[1].mode, C::kSnapshots);
+  EXPECT_FALSE(c.trials()[1].measured);
+  EXPECT_EQ(c.trials()[1].peak_bytes, 3600);
+  EXPECT_FALSE(c.after_step(wrote({}, 3300, 1.0), 3500, b));  // the keep trial: the choices stay keep
+  EXPECT_EQ(c.chosen(), C::kKeep);                             // fits and is the cheapest measured
+  EXPECT_TRUE(c.trials()[2].measured);
+  // The limit then rises: the untried mode stays out of the choice (its 3,600 was a bound, not a measurement).
+  EXPECT_TRUE(c.set_limit(10000));
+  EXPECT_EQ(c.chosen(), C::kKeep);
+  EXPECT_TRUE(c.set_limit(0));
+  EXPECT_EQ(c.chosen(), C::kRegions);  // no limit: the lowest measured peak
+
+  // Neither bound known under a limit: regions, straight away.
+  PreservationChooser d = chooser(PreservePolicy::kAuto);
+  EXPECT_TRUE(d.after_step(wrote({bank(1)}, 3000, 4.0), 3500));
+  EXPECT_EQ(d.chosen(), C::kRegions);
+  ASSERT_EQ(d.trials().size(), 3u);
+  EXPECT_FALSE(d.trials()[1].measured);
+  EXPECT_FALSE(d.trials()[2].measured);
+  EXPECT_EQ(d.trials()[2].peak_bytes, -1);
+  EXPECT_EQ(d.choices().at(bank(1)), C::kRegions);
+  EXPECT_FALSE(d.exploring());
+
+  // Without a limit the (unknown) bounds are not read: all three are tried.
+  PreservationChooser e = chooser(PreservePolicy::kAuto);
+  EXPECT_TRUE(e.after_step(wrote({bank(2)}, 3000, 4.0), 0));
+  EXPECT_EQ(e.choices().at(bank(2)), C::kSnapshots);
+}
+
+TEST(PickPreservation, NeverPicksAnUntriedMode) {
+  const std::vector<PreservationTrial> trials = {{C::kRegions, 1000, 5.0}, {C::kSnapshots, 500, 1.0, false}};
+  EXPECT_EQ(pick_preservation(trials, 0), C::kRegions);
+  EXPECT_EQ(pick_preservation(trials, 2000), C::kRegions);
+  EXPECT_THROW(pick_preservation({{C::kKeep, 10, 1.0, false}}, 0), Error);
+}
+
 TEST(PreservationChooser, AutoTriesRegionsSnapshotsAndKeepThenKeepsTheBest) {
   PreservationChooser c = chooser(PreservePolicy::kAuto);
   EXPECT_FALSE(c.after_step(wrote({}, 5000, 1.0), 0));  // nothing written yet: no trial
@@ -85,9 +131,12 @@ TEST(PreservationChooser, AutoTriesRegionsSnapshotsAndKeepThenKeepsTheBest) {
 
 TEST(PreservationChooser, AutoUnderALimitPicksTheCheapestThatFitsAndChoosesAgainForANewLimit) {
   PreservationChooser c = chooser(PreservePolicy::kAuto);
-  c.after_step(wrote({bank(0)}, 1000, 5.0), 1200);
-  c.after_step(wrote({bank(0)}, 1100, 2.0), 1200);
-  c.after_step(wrote({}, 1300, 1.0), 1200);
+  PreservationBounds within;  // both modes bounded within the limit: both are tried (Note [Trials under a limit])
+  within.snapshots_peak = 1200;
+  within.keep_peak = 1200;
+  c.after_step(wrote({bank(0)}, 1000, 5.0), 1200, within);
+  c.after_step(wrote({bank(0)}, 1100, 2.0), 1200, within);
+  c.after_step(wrote({}, 1300, 1.0), 1200, within);  // keep measured 1,300 over its bound: not chosen
   EXPECT_EQ(c.chosen(), C::kSnapshots);
   EXPECT_TRUE(c.set_limit(2000));
   EXPECT_EQ(c.chosen(), C::kKeep);

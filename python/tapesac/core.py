@@ -236,7 +236,8 @@ class TapeSAC:
 
     @property
     def preservation_trials(self) -> list[Trial]:
-        """preserve="auto": the measured trials (mode, peak, cost) the choice was made from."""
+        """preserve="auto": the trials (mode, peak, cost, measured) the choice was made from; under a memory_limit a
+        mode whose bound did not fit is listed untried (measured False) and never chosen."""
         return [Trial(*t) for t in self._runtime.preservation_trials]
 
     @property

@@ -164,9 +164,11 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
   std::vector<std::vector<RestLevel>> levels = window_levels(timeline, starts, end, offset);
   p.backward_peaks.assign(n, kNone);
   p.backward_levels.resize(n);
+  p.backward_rank.assign(n, 0);
   for (size_t k = 0; k < n; ++k) {
     p.backward_peaks[order[k]] = bwd[k];
     p.backward_levels[order[k]] = std::move(levels[k]);
+    p.backward_rank[order[k]] = k;
   }
 
   auto known = [](int64_t v) { return v != kNone; };
@@ -202,6 +204,8 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
   const bool levels = retained && backward_levels.size() == kept.size();
   int64_t rebuilt = std::max<int64_t>(0, levels_all_ref - all);  // Note [Backward levels]
   for (int64_t w : ws) rebuilt += w;
+  // Note [Window of a call keeping more]: for plans that replay (keeping everything is the ceiling's).
+  const bool replays = std::any_of(ws.begin(), ws.end(), [](int64_t w) { return w > 0; });
   for (size_t k = 0; k < kept.size(); ++k) {
     peak = std::max(peak, forward_c[k] + prefix);
     prefix += kept[k];
@@ -210,6 +214,20 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
       for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
     } else {
       peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
+      if (!retained && replays && window_levels.size() == kept.size() && window_rank.size() == kept.size()) {
+        // Note [Window of a call keeping more]: what the plan replays by this window (its working sets, and what
+        // it keeps less than the plan that ran), and the values of this call it keeps that the plan that ran
+        // rebuilt: together at most the replay bytes the measured step had alive.
+        int64_t replayed = std::max<int64_t>(0, window_all_ref - all);
+        for (size_t j = 0; j < ws.size(); ++j) {
+          if (window_rank[j] <= window_rank[k]) replayed += ws[j];
+        }
+        const int64_t kept_more = std::max<int64_t>(0, kept[k] - kept_ref[k] - alive_ref[k]);
+        const int64_t before = prefix - kept[k] + holding;  // calls before k kept, calls up to k held
+        for (const RestLevel& l : window_levels[k]) {
+          peak = std::max(peak, l.rest + before + std::min(replayed + kept_more, l.replay));
+        }
+      }
     }
     if (k < last_backward_c.size()) peak = std::max(peak, last_backward_c[k] + prefix + holding + ws[k]);
   }
@@ -252,6 +270,24 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
     }
   }
   m.tail_c = profile.tail_peak - prefix - holding;
+  if (!extras.retained && profile.backward_rank.size() == n && profile.backward_levels.size() == n) {
+    // Note [Window of a call keeping more]: rest less what the plan that ran kept before the call, held up to it,
+    // and the dropped values alive anyway before it (as backward_c).
+    m.kept_ref = kept_ref;
+    m.alive_ref.resize(n);
+    m.window_rank = profile.backward_rank;
+    m.window_levels.resize(n);
+    int64_t before = 0, held_up_to = 0;
+    for (size_t k = 0; k < n; ++k) {
+      m.alive_ref[k] = extra(extras.alive_backward, k);
+      held_up_to += held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
+      for (const RestLevel& l : profile.backward_levels[k]) {
+        m.window_levels[k].push_back(RestLevel{l.rest - before - held_up_to, l.replay});
+      }
+      before += kept_ref[k] + m.alive_ref[k];
+      m.window_all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
+    }
+  }
   if (extras.retained && profile.backward_levels.size() == n) {  // Note [Backward levels]
     // Rebuilt values a later graph held are replay bytes on the timeline, not kept ones.
     int64_t all_ref = 0;

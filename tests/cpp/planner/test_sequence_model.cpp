@@ -187,7 +187,11 @@ TEST(SequencePeakModel, ARetainedGraphCountsEveryCallsKeptBytesUntilTheLastBackw
 // Issue 18 item 5 (Note [dropped values alive elsewhere]): bytes a dropped value held anyway (a module stored it)
 // are in the measured windows; a plan that keeps it must not pay for them twice.
 TEST(SequencePeakModel, DroppedValuesAliveAnywayAreNotCountedTwiceWhenKept) {
-  const StepProfile p = profile_step(two_call_timeline(), {10, 20}, {20, 30}, {60, 40}, 1000);
+  // The working sets alive at the windows' peaks (41: call 1's 60, 61: call 0's 50), as the timeline shows them.
+  std::vector<TimedBytes> t = two_call_timeline();
+  t[6].replay_bytes = 60;
+  t[8].replay_bytes = 50;
+  const StepProfile p = profile_step(t, {10, 20}, {20, 30}, {60, 40}, 1000);
   const std::vector<int64_t> none{0, 0}, ws{50, 60}, all{100, 100}, nothing{0, 0};
   const SequencePeakModel plain = SequencePeakModel::calibrate(p, none, ws);
   StepExtras alive;
@@ -197,6 +201,29 @@ TEST(SequencePeakModel, DroppedValuesAliveAnywayAreNotCountedTwiceWhenKept) {
   // Keeping what was alive anyway costs nothing: the measured step's peak (the planner keeps them in every plan).
   EXPECT_EQ(m.predict({100, 0}, ws), plain.predict(none, ws));
   EXPECT_EQ(plain.predict(all, nothing) - m.predict(all, nothing), 100);  // keeping everything: 100 less
+}
+
+// Note [Window of a call keeping more]: call 0's window peaks after its replay (at 55: 80 of the 100 it rebuilt
+// still alive, its 60 bytes of transients gone, on top of 300 of gradients). A plan keeping most of those 100
+// bytes and replaying the rest is not lower than that moment (the kept values live as the rebuilt ones did); the
+// working-set term alone put it 60 lower. The plan that ran is predicted as measured.
+TEST(SequencePeakModel, AWindowPeakingAfterItsReplayIsNotLoweredByTheTransientsAPlanAvoids) {
+  // Forward [10, 20); call 0 replays at 40 (working set 160: 100 rebuilt, 60 transients).
+  const std::vector<TimedBytes> tl{{5, 0, 0}, {15, 100, 0}, {25, 0, 0}, {41, 160, 160}, {45, 100, 100},
+                                   {55, 380, 80}, {70, 380, 80}, {80, 0, 0}};
+  const StepProfile p = profile_step(tl, {10}, {20}, {40}, 0);
+  ASSERT_TRUE(p.valid);
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, {0}, {160});
+  ASSERT_TRUE(m.valid);
+  EXPECT_EQ(m.predict({0}, {160}), 380);
+  // Keeping 90 of them and replaying the other 10: 300 of gradients + the 80 still alive then (the working-set
+  // term alone: 380 - 160 + 90 + 10 = 320).
+  EXPECT_EQ(m.predict({90}, {10}), 380);
+  EXPECT_EQ(m.backward_c[0] + 90 + 10, 320);
+  // Keeping 40 of them (replaying the other 60 with 40 of transients): still at most what the step had alive.
+  EXPECT_EQ(m.predict({40}, {100}), 380);
+  // Keeping everything (no replay) is left to the working-set term and the keep-everything ceiling.
+  EXPECT_EQ(m.predict({100}, {0}), 320);
 }
 
 // Issue 18 item 5: inputs held only for the replay (a block input autocast casts first) are freed by a plan that

@@ -64,6 +64,8 @@ struct StepProfile {
   std::vector<int64_t> backward_peaks;  // per block call, in forward order
   /// Per block call, in forward order: its backward window's levels (reduce_levels; Note [Backward levels]).
   std::vector<std::vector<RestLevel>> backward_levels;
+  /// Per block call, in forward order: the position of its backward window in time (0: the first to replay).
+  std::vector<size_t> backward_rank;
 };
 
 /// The profile of a timeline given each call's forward span and first replay start (forward order; a replay start
@@ -194,6 +196,26 @@ struct StepExtras {
 /// is what K keeps less than the plan that ran (values that may then be alive as rebuilt ones whenever p(t) had
 /// none). For the plan that ran this is the measured window exactly; for keeping everything it is max_t rest(t) +
 /// all_K (double backward: equal to the measured no-checkpoint peak).
+/// Note [Window of a call keeping more]. Without a retained graph, bwd_i = b_i + sum_{j<=i} kept_j + ws_i charges
+/// the whole working set measured for call i's replay as alive at its window's peak, so a plan that keeps more of
+/// call i and replays less there is predicted lower by the working set it no longer replays, less what it keeps
+/// more. Where the window peaks after the replay (the backward's gradients on top of the values the replay rebuilt,
+/// its transients gone), that is wrong: a value kept instead of rebuilt is alive wherever its rebuilt copy was.
+/// Random program 2206, at a limit equal to "full"'s measured peak (14,848 bytes): a plan keeping 2,712 more bytes
+/// and replaying 4,900 fewer was predicted 14,848 and measured 16,552. So the window is also read from its levels
+/// (as Note [Backward levels] does for retained graphs): at each moment t, rest(t) (bytes in use less the replays'
+/// bytes alive; less what the plan that ran kept before call i and held up to it) plus what plan K keeps before i
+/// and holds up to it, plus at most the replay bytes the measured step had alive then, p(t), of: what K replays by
+/// this window (the working sets of the calls backwarded so far, and what K keeps less than the plan that ran) and
+/// the values of call i that K keeps and the plan that ran rebuilt (their bytes beyond its kept ones and the
+/// dropped values alive anyway):
+///   bwd_i = max( b_i + sum_{j<=i} kept_j + ws_i,
+///                max_t rest(t) + sum_{j<i} kept_j + min(p(t), sum_{j so far} ws_j + dropped_more + kept_more_i) ).
+/// For the plan that ran the second term is at most the measured window; the first covers what p(t) cannot see
+/// (a plan that replays more than the timeline's replays held). The second term is for plans that replay: it
+/// charges every value a call keeps more wherever the step had replay bytes alive, transients included, which
+/// for keeping everything put 11 more random programs above their no-checkpoint peak (2071: 2,264 bytes); that
+/// plan is bounded by Note [Keep-everything ceiling] instead.
 struct SequencePeakModel {
   bool valid = false;
   int64_t pre = 0;
@@ -213,6 +235,14 @@ struct SequencePeakModel {
   /// the backward windows up to the call's), and the kept bytes of keeping everything (which replays nothing).
   std::vector<int64_t> held_for_replay;
   std::vector<int64_t> keep_all;
+  /// Without `retained`, per call (empty: not calibrated with them; Note [Window of a call keeping more]): its
+  /// backward window's levels, rest less what the plan that ran kept before the call and held up to it; the kept
+  /// bytes and dropped values alive anyway of that plan; the window's position in time; and every call's kept and
+  /// held bytes in that plan.
+  std::vector<std::vector<RestLevel>> window_levels;
+  std::vector<int64_t> kept_ref, alive_ref;
+  std::vector<size_t> window_rank;
+  int64_t window_all_ref = 0;
   /// Added to every prediction: how much the step's baseline (bytes in use when it began: parameters, gradients kept
   /// from the previous step, optimizer state) grew since the step the model was calibrated on.
   int64_t baseline_shift = 0;

@@ -164,11 +164,9 @@ StepProfile profile_step(const std::vector<TimedBytes>& timeline, const std::vec
   std::vector<std::vector<RestLevel>> levels = window_levels(timeline, starts, end, offset);
   p.backward_peaks.assign(n, kNone);
   p.backward_levels.resize(n);
-  p.backward_rank.assign(n, 0);
   for (size_t k = 0; k < n; ++k) {
     p.backward_peaks[order[k]] = bwd[k];
     p.backward_levels[order[k]] = std::move(levels[k]);
-    p.backward_rank[order[k]] = k;
   }
 
   auto known = [](int64_t v) { return v != kNone; };
@@ -214,14 +212,11 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
       for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
     } else {
       peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
-      if (!retained && replays && window_levels.size() == kept.size() && window_rank.size() == kept.size()) {
-        // Note [Window of a call keeping more]: what the plan replays by this window (its working sets, and what
-        // it keeps less than the plan that ran), and the values of this call it keeps that the plan that ran
+      if (!retained && replays && window_levels.size() == kept.size()) {
+        // Note [Window of a call keeping more]: what the plan replays in this window (the call's working set, and
+        // what it keeps less than the plan that ran), and the values of this call it keeps that the plan that ran
         // rebuilt: together at most the replay bytes the measured step had alive.
-        int64_t replayed = std::max<int64_t>(0, window_all_ref - all);
-        for (size_t j = 0; j < ws.size(); ++j) {
-          if (window_rank[j] <= window_rank[k]) replayed += ws[j];
-        }
+        const int64_t replayed = std::max<int64_t>(0, window_all_ref - all) + ws[k];
         const int64_t kept_more = std::max<int64_t>(0, kept[k] - kept_ref[k] - alive_ref[k]);
         const int64_t before = prefix - kept[k] + holding;  // calls before k kept, calls up to k held
         for (const RestLevel& l : window_levels[k]) {
@@ -270,12 +265,11 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
     }
   }
   m.tail_c = profile.tail_peak - prefix - holding;
-  if (!extras.retained && profile.backward_rank.size() == n && profile.backward_levels.size() == n) {
+  if (!extras.retained && profile.backward_levels.size() == n) {
     // Note [Window of a call keeping more]: rest less what the plan that ran kept before the call, held up to it,
     // and the dropped values alive anyway before it (as backward_c).
     m.kept_ref = kept_ref;
     m.alive_ref.resize(n);
-    m.window_rank = profile.backward_rank;
     m.window_levels.resize(n);
     int64_t before = 0, held_up_to = 0;
     for (size_t k = 0; k < n; ++k) {

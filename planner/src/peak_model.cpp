@@ -265,6 +265,8 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
     }
   }
   m.tail_c = profile.tail_peak - prefix - holding;
+  int64_t all_ref = 0;  // every call's kept and held bytes in the plan that ran
+  for (size_t k = 0; k < n; ++k) all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
   if (!extras.retained && profile.backward_levels.size() == n) {
     // Note [Window of a call keeping more]: rest less what the plan that ran kept before the call, held up to it,
     // and the dropped values alive anyway before it (as backward_c).
@@ -279,13 +281,11 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
         m.window_levels[k].push_back(RestLevel{l.rest - before - held_up_to, l.replay});
       }
       before += kept_ref[k] + m.alive_ref[k];
-      m.window_all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
     }
+    m.window_all_ref = all_ref;
   }
   if (extras.retained && profile.backward_levels.size() == n) {  // Note [Backward levels]
     // Rebuilt values a later graph held are replay bytes on the timeline, not kept ones.
-    int64_t all_ref = 0;
-    for (size_t k = 0; k < n; ++k) all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
     m.levels_all_ref = all_ref;
     m.backward_levels.resize(n);
     int64_t alive = 0;  // dropped values alive anyway (not replay bytes), calls up to k: as backward_c

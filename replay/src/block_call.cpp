@@ -337,16 +337,7 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
   }
   unique_sorted(dropped_storages);
   st.dropped_bytes += sum(dropped_storages);
-  // Note [Dropped bytes still alive] (allocator/telemetry.h): what dropping did not free is marked on the memory
-  // timeline, tagged with this call, until it is freed or the step ends, so the keep-everything ceiling does not
-  // count it twice while the call's dropped bytes are pending (until its last replay begins; a value alive at
-  // its unpack is served as it is and never rebuilt, Note [a dropped tensor still alive]).
-  if (!dropped_slots.empty() && ctx_.memory) alive_tag_ = ctx_.memory->alive_tag(ctx_.plan_key);
-  for (const Slot* s : dropped_slots) {
-    if (storage_alive(*s) && allocator::mark_dropped_alive(s->storage_data, alive_tag_) > 0) {
-      marked_alive_.push_back(s->storage_data);
-    }
-  }
+  mark_alive(dropped_slots);
   std::sort(dropped_values_.begin(), dropped_values_.end());
   remaining_ = handles_;
   return targets;
@@ -399,6 +390,19 @@ void BlockCall::close_step() noexcept {
   live_.clear();
   approx_.reset();
   recorder_.clear();
+}
+
+void BlockCall::mark_alive(const std::vector<const Slot*>& dropped_slots) {
+  // Note [Dropped bytes still alive] (allocator/telemetry.h): what dropping did not free is marked on the memory
+  // timeline, tagged with this call, until it is freed or the step ends, so the keep-everything ceiling does not
+  // count it twice while the call's dropped bytes are pending (until its last replay begins; a value alive at
+  // its unpack is served as it is and never rebuilt, Note [a dropped tensor still alive]).
+  if (!dropped_slots.empty() && ctx_.memory) alive_tag_ = ctx_.memory->alive_tag(ctx_.plan_key);
+  for (const Slot* s : dropped_slots) {
+    if (storage_alive(*s) && allocator::mark_dropped_alive(s->storage_data, alive_tag_) > 0) {
+      marked_alive_.push_back(s->storage_data);
+    }
+  }
 }
 
 void BlockCall::unmark_alive() noexcept {

@@ -55,6 +55,23 @@ std::vector<planner::TimedBytes> timed_bytes(const replay::StepMemoryStats& m) {
   return out;
 }
 
+// The changes of the dropped bytes each call's step held anyway (Note [Dropped bytes still alive]), by the call's
+// index in `keys` (its plan key; -1: a mark of no call among them).
+std::vector<planner::CallAlive> alive_by_call(const replay::StepMemoryStats& m, const std::vector<std::string>& keys) {
+  std::vector<int32_t> call_of_tag(m.alive_calls.size(), -1);
+  for (size_t tag = 0; tag < m.alive_calls.size(); ++tag) {
+    const auto it = std::find(keys.begin(), keys.end(), m.alive_calls[tag]);
+    if (it != keys.end()) call_of_tag[tag] = static_cast<int32_t>(it - keys.begin());
+  }
+  std::vector<planner::CallAlive> out;
+  out.reserve(m.alive_changes.size());
+  for (const allocator::AliveChange& c : m.alive_changes) {
+    const bool known = c.tag >= 0 && static_cast<size_t>(c.tag) < call_of_tag.size();
+    out.push_back(planner::CallAlive{c.t_ns, known ? call_of_tag[static_cast<size_t>(c.tag)] : -1, c.bytes});
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes,
@@ -233,19 +250,9 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   for (const replay::PreservedStorage& p : session_.last_preserved()) {
     if (p.last_save_ns >= 0 && p.held_bytes > 0) saved.push_back(planner::HeldToEnd{p.last_save_ns, p.held_bytes});
   }
-  // The dropped bytes each call's step held anyway (Note [Dropped bytes still alive]), by call.
-  std::vector<planner::CallAlive> alive;
-  alive.reserve(m.alive_changes.size());
-  for (const allocator::AliveChange& c : m.alive_changes) {
-    int32_t call = -1;
-    if (c.tag >= 0 && static_cast<size_t>(c.tag) < m.alive_calls.size()) {
-      const std::string& key = m.alive_calls[static_cast<size_t>(c.tag)];
-      for (size_t j = 0; j < calls_.size(); ++j) {
-        if (calls_[j].key == key) call = static_cast<int32_t>(j);
-      }
-    }
-    alive.push_back(planner::CallAlive{c.t_ns, call, c.bytes});
-  }
+  std::vector<std::string> keys;
+  for (const Call& c : calls_) keys.push_back(c.key);
+  const std::vector<planner::CallAlive> alive = alive_by_call(m, keys);
   const int64_t ceiling =
       planner::keep_all_ceiling(timeline, fwd_end, release, dropped, m.baseline, held, saved, &alive);
   // A step that dropped nothing kept everything: its measured peak (the timeline's points may miss it).

@@ -72,6 +72,16 @@ PreservationStep PreservationStep::of(const std::vector<replay::PreservedStorage
   return s;
 }
 
+PreservationBounds PreservationBounds::after(const std::vector<replay::PreservedStorage>& preserved, int64_t peak_bytes,
+                                             int64_t dropped_bytes, int64_t keep_all_ceiling) {
+  PreservationBounds b;
+  int64_t snapshot_extra = 0;  // a whole copy of each storage instead of its saved regions
+  for (const replay::PreservedStorage& p : preserved) snapshot_extra += std::max<int64_t>(0, p.nbytes - p.held_bytes);
+  b.snapshots_peak = peak_bytes + snapshot_extra;
+  b.keep_peak = std::min(peak_bytes + dropped_bytes, keep_all_ceiling);
+  return b;
+}
+
 bool PreservationChooser::exploring() const {
   return options_.policy == PreservePolicy::kAuto && !chosen_ && !choices_.empty();
 }

@@ -187,14 +187,9 @@ void Runtime::choose_preservation(int64_t measured_peak_bytes) {
       PreservationStep::of(preserved, session_.last_summary().totals.replay_ns, measured_peak_bytes);
   PreservationBounds bounds;  // Note [Trials under a limit]
   if (limit_ > 0 && chooser_.options().policy == PreservePolicy::kAuto && !chooser_.chosen()) {
-    int64_t snapshot_extra = 0;
-    for (const replay::PreservedStorage& p : preserved) snapshot_extra += std::max<int64_t>(0, p.nbytes - p.held_bytes);
-    bounds.snapshots_peak = measured_peak_bytes + snapshot_extra;
-    bounds.keep_peak = measured_peak_bytes + session_.last_summary().totals.dropped_bytes;
-    if (planner_) {
-      const int64_t ceiling = planner_->keep_all_ceiling(measured_peak_bytes);
-      if (ceiling != INT64_MAX) bounds.keep_peak = std::min(bounds.keep_peak, ceiling);
-    }
+    const int64_t ceiling = planner_ ? planner_->keep_all_ceiling(measured_peak_bytes) : INT64_MAX;
+    bounds = PreservationBounds::after(preserved, measured_peak_bytes, session_.last_summary().totals.dropped_bytes,
+                                       ceiling);
   }
   if (chooser_.after_step(step, limit_, bounds)) chooser_.apply(session_);
 }

@@ -1,5 +1,6 @@
 // The preservation chooser (runtime/preservation_chooser.h, Note [Preservation choice]) on figures: the trials of
 // preserve="auto", pick_preservation, the per-storage choices, their bound, and a new limit.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,21 @@ TEST(PreservationChooser, UnderALimitSkipsTheModesNotBoundedWithinIt) {
   PreservationChooser e = chooser(PreservePolicy::kAuto);
   EXPECT_TRUE(e.after_step(wrote({bank(2)}, 3000, 4.0), 0));
   EXPECT_EQ(e.choices().at(bank(2)), C::kSnapshots);
+}
+
+// Note [Trials under a limit]: snapshots hold each storage whole instead of its saved regions; keep at most every
+// dropped value, capped by the keep-everything ceiling.
+TEST(PreservationBounds, FromTheStepsFigures) {
+  replay::PreservedStorage a, b;
+  a.nbytes = 400;
+  a.held_bytes = 100;
+  b.nbytes = 64;
+  b.held_bytes = 128;  // regions saved more than the storage (several writes): no extra
+  const PreservationBounds x = PreservationBounds::after({a, b}, 1000, 500, INT64_MAX);
+  EXPECT_EQ(x.snapshots_peak, 1300);
+  EXPECT_EQ(x.keep_peak, 1500);
+  EXPECT_EQ(x.of(C::kRegions), 0);
+  EXPECT_EQ(PreservationBounds::after({a}, 1000, 500, 1200).keep_peak, 1200);
 }
 
 TEST(PickPreservation, NeverPicksAnUntriedMode) {

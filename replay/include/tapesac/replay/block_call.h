@@ -163,6 +163,8 @@ class BlockCall : public capture::RecorderListener,
   void prepare_approx(KeepDecision& d);
   std::vector<Read> drop(const KeepDecision& d);
   /// Takes back the allocator marks drop() set on dropped storages still alive (Note [Dropped bytes still alive]).
+  /// Marks the dropped slots' storages still alive (Note [Dropped bytes still alive]), tagged with this call.
+  void mark_alive(const std::vector<const Slot*>& dropped_slots);
   void unmark_alive() noexcept;
   void trim_live(const std::vector<Read>& targets);
 

@@ -98,6 +98,10 @@ struct PreservationBounds {
   int64_t of(PreserveChoice c) const {
     return c == PreserveChoice::kSnapshots ? snapshots_peak : c == PreserveChoice::kKeep ? keep_peak : 0;
   }
+  /// The bounds after a step that peaked at `peak_bytes`, preserved `preserved` and dropped `dropped_bytes`;
+  /// `keep_all_ceiling` (INT64_MAX: none) caps the keep bound.
+  static PreservationBounds after(const std::vector<replay::PreservedStorage>& preserved, int64_t peak_bytes,
+                                  int64_t dropped_bytes, int64_t keep_all_ceiling);
 };
 
 /// The per-storage preservation choices of one TapeSAC (Note [Preservation choice]).

@@ -83,8 +83,18 @@ BlockCall::SegmentInputs BlockCall::segment_inputs(ValueId wanted) {
   const Tape& tape = recorder_.tape();
   SegmentInputs in;
   in.segment = segment_of(wanted);
+  // Note [Targets alive elsewhere]: a dropped value whose saved tensor is still alive (the block's output, which the
+  // next block holds; an activation the user stored) is served as it is at its unpack (Note [a dropped tensor still
+  // alive]), so a rebuilt copy would only be held beside it until then: random program 1672, a 192-byte value of
+  // the second block held twice through most of its backward, where keeping everything holds it once. It is not
+  // rebuilt; if it dies before its unpack, that unpack replays it.
+  std::unordered_set<ValueId> alive;
+  for (const Slot& s : slots_) {
+    if (s.dropped && !s.released && s.value >= 0 && s.value != wanted && still_alive(s).defined()) alive.insert(s.value);
+  }
   for (ValueId value : dropped_values_) {  // ascending
-    if (remaining_[static_cast<size_t>(value)] > 0 && !cache_.count(value) && segment_of(value) == in.segment) {
+    if (remaining_[static_cast<size_t>(value)] > 0 && !cache_.count(value) && segment_of(value) == in.segment &&
+        !alive.count(value)) {
       in.targets.push_back(Read{value, value_state_[static_cast<size_t>(value)]});
     }
   }

@@ -264,6 +264,15 @@ def test_found_by_the_5000_program_run(seed: int) -> None:
     R.check_program(seed)
 
 
+@pytest.mark.parametrize("seed", [1843, 2091, 2527, 2838])
+def test_kept_values_a_later_replay_reads_stay(seed: int) -> None:
+    """Found by `python random_program.py 0 5000` (2026-12-03) on a first version of Note [Kept values freed with
+    their slots] (replay/src/block_call.cpp): under lazy, planned and hold_all schedules, a later segment's replay of
+    a view (aten::transpose) found its kept input freed (a tapesac internal error, never a wrong gradient): the view's
+    position was read from the writes to its storage, not from its own op. Bitwise equal now, every policy."""
+    R.check_program(seed)
+
+
 @pytest.mark.parametrize("seed", [1220, 1440, 4682])
 def test_auto_at_the_no_checkpoint_peak_is_not_refused(seed: int) -> None:
     """Found by `python random_program.py 0 5000` (2026-12-02): at memory_limit = policy "none"'s measured peak, auto
@@ -382,3 +391,20 @@ def test_auto_does_not_keep_everything_below_an_exact_ceiling(seed: int) -> None
     assert not outcome.auto_refused, outcome.auto_refused
     assert outcome.stats["auto"].dropped_tensors > 0, outcome.stats["auto"]
     assert outcome.auto_over_limit_bytes == 0, f"seed {seed}: the planned step ran {outcome.auto_over_limit_bytes} over"
+
+
+@pytest.mark.parametrize("seed", [1527, 2314, 3736])
+def test_auto_keeps_everything_at_the_no_checkpoint_peak_once_kept_values_go_with_their_slots(seed: int) -> None:
+    """Found by the 5,000-program run of 2026-12-02 (dropped at the no-checkpoint peak): a kept value a replay read
+    stayed alive (held for the replays) to the end of its block's backward, past the node that saved it, so the
+    measured "full" step held more than keeping everything does there, and the keep-everything ceiling read from it
+    was too high (2314: 12,568 for a measured 12,496). Kept values now go with their slots once no replay can read
+    them (Note [Kept values freed with their slots], replay/src/block_call.cpp); "full" itself peaks lower (2314:
+    12,280 -> 12,208; 1527: 10,284 -> 9,852)."""
+    program = R.Program.generate(seed)
+    assert R.auto_limit_for(program).frac == 1.0
+    outcome = R.check_program(seed, ["full", "none", "auto"])
+    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
+    st = outcome.stats["auto"]
+    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+    assert outcome.stats["full"].memory.peak_bytes < outcome.stats["none"].memory.peak_bytes

@@ -217,6 +217,9 @@ class BlockCall : public capture::RecorderListener,
 
   void resolve_pending(bool final);
   void release_all() noexcept;
+  /// Note [Kept values freed with their slots]: lets go of the kept values in live_ that no replay of a dropped value
+  /// with a handle left can read.
+  void release_kept_live() noexcept;
   /// Applies the memory limit to the replay `in`: keeps the extras that fit (fit_extras), then replays all of
   /// in.targets, or only `wanted` when they would not fit (in.plan and in.targets updated); throws MemoryLimitError
   /// when even `wanted` alone cannot fit.

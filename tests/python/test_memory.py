@@ -236,14 +236,14 @@ class _KeptReadByReplay(torch.nn.Module):
         return (h * h).tanh() @ self.w2
 
 
-@pytest.mark.parametrize("policy", ["none", "keep_mm", None])
+@pytest.mark.parametrize("policy", ["none", "keep_mm", "keep_mm_graph", None])
 def test_a_kept_value_a_replay_read_is_freed_with_its_last_slot(policy: str | None) -> None:
     """Note [Kept values freed with their slots] (replay/src/block_call.cpp): the block keeps h (policy: the outputs
     of aten::mm) and rebuilds tanh(h * h) from it. Once that replay is over, h is freed when the node that saved it
     (h * h) is done, as without tapesac, not when the block's last saved tensor goes: the gradient hook of h, which
     runs once h * h's node is done (before the first matmul's backward), finds h's storage gone. (Held to the block's end, a kept
     value the replays had read raised the measured peak of policy "full" and the keep-everything ceiling read from
-    it: random program 2314 at its no-checkpoint peak dropped values.)"""
+    it: random program 2314 at its no-checkpoint peak dropped values.) Eager and the emulated graph backend."""
     import tapesac
 
     class Stack(torch.nn.Module):
@@ -260,15 +260,24 @@ def test_a_kept_value_a_replay_read_is_freed_with_its_last_slot(policy: str | No
     if policy is None:  # positive control: plain autograd
         loss_of(model(x)).backward()
     else:
-        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="none" if policy == "none" else {"aten::mm"})
+        graph = policy == "keep_mm_graph"  # the graph replayer's logic on CPU: warm-up steps capture, then launch
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="none" if policy == "none" else {"aten::mm"},
+                              **({"backend": "emulated_graph"} if graph else {}))
         try:
+            for _ in range(3 if graph else 0):
+                with sac.step():
+                    loss_of(model(make_x())).backward()
+                model.zero_grad(set_to_none=True)
+            model.blocks[0].h_alive_at_its_grad.clear()
             with sac.step():
                 loss_of(model(x)).backward()
             st = sac.last_step
         finally:
             sac.close()
-        if policy == "keep_mm":
+        if policy != "none":
             assert st.dropped_tensors >= 2 and st.ops_replayed >= 2 and st.kept_tensors >= 2, st
+        if graph:
+            assert st.graph_replays > 0, st
     assert model.blocks[0].h_alive_at_its_grad == [False], f"policy {policy}: h still held after h * h's backward"
     xr = make_x().requires_grad_(True)
     loss_of(ref(xr)).backward()

@@ -120,29 +120,26 @@ void BlockCall::release(int32_t slot) noexcept {
   }
   if (--alive_slots_ == 0 && forward_closed_) {
     release_all();
-  } else {
-    // A dropped value's last handle: kept values no replay can read any more go (Note [Kept values freed with their
-    // slots]).
-    if (s.dropped && handles_[static_cast<size_t>(s.value)] == 0) release_kept_live();
+  } else if (s.dropped && handles_[static_cast<size_t>(s.value)] == 0) {
+    release_kept_live();  // a dropped value's last handle went (Note [Kept values freed with their slots])
   }
 }
 
 // Note [Kept values freed with their slots]. A replay reads the call's kept values from live_ (its own references,
 // taken at the drop). Held there until the last slot went (release_all), a kept value outlived the graph node that
-// saved it whenever no replay could read it any more: its bytes stayed in use through the rest of the call's
-// backward, where keeping everything had freed them (random program 2314 at its no-checkpoint peak: two kept
-// 72-byte values of the second block alive to its end, so the measured "full" step, and the keep-everything
-// ceiling read from it, were 72 bytes too high there, and auto dropped values at a limit that fits keeping
-// everything). A replay of a dropped value runs no op after the one that wrote the state it was saved at, and reads
-// a kept value only after the op that produced it (a view reads its metadata at any later state): so once no dropped
-// value with a handle left (a saved slot autograd has not released: it may be unpacked, in this backward or, on a
-// retained graph, the next) was saved after a kept value's producer ran, no replay can read that kept value, and
-// live_ lets go of it: it is freed with its own slots, as without tapesac. (Taking a view's position from the writes
-// to its storage, or a kept value's from its last write, let a view replayed under a lazy schedule find its input
-// gone: random programs 1843, 2091, 2527, 2838.) Checked when a dropped value's last handle goes (the backward runs the calls' nodes
-// last to first, so the kept values go from the last). Externals (block inputs, parameters, values held only for
-// the replay) stay to the step's end, as the planner models them; so does everything under approximate replay,
-// which reads more than the tape's closure.
+// saved it whenever no replay could read it any more: its bytes stayed in use through the rest of the call's backward,
+// where keeping everything had freed them (random program 2314 at its no-checkpoint peak: two kept 72-byte values of
+// the second block alive to its end, so the measured "full" step, and the keep-everything ceiling read from it, were 72
+// bytes too high there, and auto dropped values at a limit that fits keeping everything). A replay of a dropped value
+// runs no op after the one that wrote the state it was saved at, and reads a kept value only after the op that produced
+// it (a view reads its metadata at any later state): so once no dropped value with a handle left (a saved slot autograd
+// has not released: it may be unpacked, in this backward or, on a retained graph, the next) was saved after a kept
+// value's producer ran, no replay can read that kept value, and live_ lets go of it: it is freed with its own slots, as
+// without tapesac. (Taking a view's position from the writes to its storage, or a kept value's from its last write, let
+// a view replayed under a lazy schedule find its input gone: random programs 1843, 2091, 2527, 2838.) Checked when a
+// dropped value's last handle goes (the backward runs the calls' nodes last to first, so the kept values go from the
+// last). Externals (block inputs, parameters, values held only for the replay) stay to the step's end, as the planner
+// models them; so does everything under approximate replay, which reads more than the tape's closure.
 void BlockCall::release_kept_live() noexcept {
   if (!forward_closed_ || step_closed_ || approx_ != nullptr) return;
   const Tape& tape = recorder_.tape();

@@ -90,7 +90,8 @@ BlockCall::SegmentInputs BlockCall::segment_inputs(ValueId wanted) {
   // rebuilt; if it dies before its unpack, that unpack replays it.
   std::unordered_set<ValueId> alive;
   for (const Slot& s : slots_) {
-    if (s.dropped && !s.released && s.value >= 0 && s.value != wanted && still_alive(s).defined()) alive.insert(s.value);
+    if (!s.dropped || s.released || s.value < 0 || s.value == wanted) continue;
+    if (still_alive(s).defined()) alive.insert(s.value);
   }
   for (ValueId value : dropped_values_) {  // ascending
     if (remaining_[static_cast<size_t>(value)] > 0 && !cache_.count(value) && segment_of(value) == in.segment &&

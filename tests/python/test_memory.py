@@ -241,20 +241,13 @@ def test_a_kept_value_a_replay_read_is_freed_with_its_last_slot(policy: str | No
     """Note [Kept values freed with their slots] (replay/src/block_call.cpp): the block keeps h (policy: the outputs
     of aten::mm) and rebuilds tanh(h * h) from it. Once that replay is over, h is freed when the node that saved it
     (h * h) is done, as without tapesac, not when the block's last saved tensor goes: the gradient hook of h, which
-    runs once h * h's node is done (before the first matmul's backward), finds h's storage gone. (Held to the block's end, a kept
-    value the replays had read raised the measured peak of policy "full" and the keep-everything ceiling read from
-    it: random program 2314 at its no-checkpoint peak dropped values.) Eager and the emulated graph backend."""
+    runs once h * h's node is done (before the first matmul's backward), finds h's storage gone. (Held to the
+    block's end, a kept value the replays had read raised the measured peak of policy "full" and the keep-everything
+    ceiling read from it: random program 2314 at its no-checkpoint peak dropped values.) Eager and the emulated
+    graph backend."""
     import tapesac
 
-    class Stack(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([_KeptReadByReplay()])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks[0](x)
-
-    model = Stack()
+    model = M.Stack([_KeptReadByReplay()])
     ref = copy.deepcopy(model)
     x = make_x().requires_grad_(True)
     if policy is None:  # positive control: plain autograd
@@ -309,21 +302,13 @@ def test_a_kept_value_stays_for_a_retained_branch_after_the_other_branch_freed_i
     when no dropped value reading it has a handle left, so h is still there: bitwise the plain run's gradients."""
     import tapesac
 
-    class Stack(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([_TwoBranches()])
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.blocks[0](x)
-
     def step(model: torch.nn.Module, x: torch.Tensor) -> None:
         y1, y2 = model(x)
         y1.backward()
         loss_of(y2).backward(retain_graph=True)
         loss_of(y2).backward()
 
-    model = Stack()
+    model = M.Stack([_TwoBranches()])
     ref = copy.deepcopy(model)
     x = make_x().requires_grad_(True)
     if use_tapesac:
@@ -369,17 +354,8 @@ def test_a_dropped_value_alive_elsewhere_is_not_rebuilt(stash: bool) -> None:
     run's."""
     import tapesac
 
-    class Stack(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([_StashedSaved(stash)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks[0](x)
-
     def run(stash_run: bool) -> tuple[torch.nn.Module, Any]:
-        model = Stack()
-        model.blocks[0].stash = stash_run
+        model = M.Stack([_StashedSaved(stash_run)])
         sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
         try:
             with sac.step():
@@ -395,7 +371,6 @@ def test_a_dropped_value_alive_elsewhere_is_not_rebuilt(stash: bool) -> None:
     # Measured: the stash adds 262,144 bytes to the step peak; with a rebuilt copy of h held beside it, 524,288.
     extra = st.memory.peak_bytes - without.memory.peak_bytes
     assert (extra < h_bytes) if stash else (extra == 0), (st.memory.peak_bytes, without.memory.peak_bytes)
-    ref = Stack()
-    ref.blocks[0].stash = stash
+    ref = M.Stack([_StashedSaved(stash)])
     loss_of(ref(make_x())).backward()
     assert_same_grads(model, ref)

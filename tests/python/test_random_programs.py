@@ -85,6 +85,16 @@ def test_random_programs(seeds: range) -> None:
         assert followed[("graph", "emulated_graph")] > 0, (seeds, followed)
 
 
+def _keeps_everything_at_the_no_checkpoint_peak(seed: int) -> R.ProgramOutcome:
+    """Runs program `seed` under full, none and auto (whose limit is the none peak): auto neither refuses that limit
+    nor drops anything in its planned step."""
+    outcome = R.check_program(seed, ["full", "none", "auto"])
+    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
+    st = outcome.stats["auto"]
+    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+    return outcome
+
+
 @pytest.mark.parametrize("seed", [71, 137, 236, 104, 273, 577, 724, 989])
 def test_auto_keeps_everything_at_the_no_checkpoint_peak(seed: int) -> None:
     """Issue 18 item 5: a limit at the no-checkpoint peak keeps everything. 71, 137, 236 (11-27 KB) were refused
@@ -94,10 +104,7 @@ def test_auto_keeps_everything_at_the_no_checkpoint_peak(seed: int) -> None:
     the sequence model was not used at all; they dropped values at the limit (found by the 5,000-program run)."""
     program = R.Program.generate(seed)
     assert R.auto_limit_for(program).frac == 1.0, "the program's auto limit is no longer its no-checkpoint peak"
-    outcome = R.check_program(seed, ["full", "none", "auto"])
-    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
-    st = outcome.stats["auto"]
-    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+    _keeps_everything_at_the_no_checkpoint_peak(seed)
 
 
 def test_generator_covers_every_op_kind() -> None:
@@ -309,10 +316,7 @@ def test_auto_keeps_everything_at_the_no_checkpoint_peak_after_a_data_write(seed
     nothing (planner::HeldToEnd)."""
     program = R.Program.generate(seed)
     assert R.auto_limit_for(program).frac == 1.0 and program.data_writes
-    outcome = R.check_program(seed, ["full", "none", "auto"])
-    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
-    st = outcome.stats["auto"]
-    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+    _keeps_everything_at_the_no_checkpoint_peak(seed)
 
 
 @pytest.mark.parametrize("seed", [1509, 2141, 3022, 3240, 3349, 4437, 4603])
@@ -325,10 +329,7 @@ def test_auto_keeps_everything_at_the_no_checkpoint_peak_with_dropped_values_hel
     pending (planner::CallAlive)."""
     program = R.Program.generate(seed)
     assert R.auto_limit_for(program).frac == 1.0
-    outcome = R.check_program(seed, ["full", "none", "auto"])
-    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
-    st = outcome.stats["auto"]
-    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+    outcome = _keeps_everything_at_the_no_checkpoint_peak(seed)
     assert outcome.auto_over_limit_bytes == 0
 
 
@@ -403,8 +404,5 @@ def test_auto_keeps_everything_at_the_no_checkpoint_peak_once_kept_values_go_wit
     12,280 -> 12,208; 1527: 10,284 -> 9,852)."""
     program = R.Program.generate(seed)
     assert R.auto_limit_for(program).frac == 1.0
-    outcome = R.check_program(seed, ["full", "none", "auto"])
-    assert not outcome.auto_refused_at_none_peak, outcome.auto_refused_at_none_peak
-    st = outcome.stats["auto"]
-    assert st.dropped_tensors == 0 and st.ops_replayed == 0, f"seed {seed}: the planned step dropped: {st}"
+    outcome = _keeps_everything_at_the_no_checkpoint_peak(seed)
     assert outcome.stats["full"].memory.peak_bytes < outcome.stats["none"].memory.peak_bytes

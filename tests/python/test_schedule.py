@@ -283,12 +283,13 @@ def test_auto_plans_below_checkpointings_peak_on_the_bench_model() -> None:
 
 
 def test_full_plans_segmented_schedules_below_checkpointings_peak_on_the_bench_models() -> None:
-    """Policy full's default (schedule="planned", no limit) on the bench's small Qwen3 and Llama (`perf/bench_limits.py`'s
-    runs, 4 steps): once its schedules are planned, its peak lies well below checkpointing's. Planned with the
-    sequence model's window levels, which charge a later segment as if it replayed at the measured one-segment
-    replay's moment, the schedules stayed near one segment: measured 2026-12-03, 0.887 and 0.924 of checkpointing's
-    peak (fe1a3ec; `python -m tapesac bench` runs 0.887-0.925 and 0.924), and without them 0.841 and 0.882 (bench
-    runs 0.860 and 0.877). The plans follow measured op costs, so the bound is on the mean of the two: 0.89."""
+    """Policy full's default (schedule="planned", no limit) on the bench's small Qwen3 and Llama
+    (`perf/bench_limits.py`'s runs, 4 steps): once its schedules are planned, its peak lies well below checkpointing's.
+    Planned with the sequence model's window levels, which charge a later segment as if it replayed at the measured
+    one-segment replay's moment, the schedules stayed near one segment: measured 2026-12-03, 0.887 and 0.924 of
+    checkpointing's peak (fe1a3ec; `python -m tapesac bench` runs 0.887-0.925 and 0.924), and without them 0.841 and
+    0.882 (bench runs 0.860 and 0.877). The plans follow measured op costs, so the bound is on the mean of the two:
+    0.89."""
     import importlib.util
     from pathlib import Path
 

@@ -27,12 +27,14 @@ Runtime::Runtime(replay::Session& session, RuntimeOptions options)
     AutoPlannerOptions o = options.planner;
     o.schedules = options.schedules;
     planner_ = std::make_unique<AutoPlanner>(session_, o);
+    planned_schedules_ = options.schedules;
   } else if (options.schedules) {
     AutoPlannerOptions o = options.planner;
     o.schedules = true;
     o.fixed_masks = true;
     planner_ = std::make_unique<AutoPlanner>(session_, o);
     fixed_masks_ = true;
+    planned_schedules_ = true;
   }
   apply_unplanned_schedule();
 }
@@ -40,7 +42,9 @@ Runtime::Runtime(replay::Session& session, RuntimeOptions options)
 void Runtime::apply_unplanned_schedule() {
   // Planned schedules of the policies that keep what they choose: under a limit, a call without a plan yet (the
   // first step, a new tape) replays lazily, the least it can hold, so that the limit is met before a plan exists.
-  if (fixed_masks_) {
+  // Policy "auto" with planned schedules too: its measuring step runs "full" lazily under a limit, at the floor
+  // of the step peak, not at one segment's (checkpointing's) peak above the limit.
+  if (planned_schedules_) {
     session_.set_unplanned_schedule(limit_ > 0 ? replay::ForcedSchedule::kLazy : replay::ForcedSchedule::kOneSegment);
   }
 }
@@ -68,7 +72,7 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   // A step whose blocks' saved tensors no backward read (a forward-only step, grad enabled) says nothing about the
   // backward's memory: no plan is made from it (auto keeps measuring) and the plan in use stays.
   if (session_.last_summary().totals.unpacks == 0) return;
-  if (lazy_fallback_) return;  // fixed masks fell back to lazy replays under this limit: they stay (Note [Measured fallback])
+  if (lazy_fallback_) return;  // lazy replays without plans for the rest of the limit (Note [Measured fallback])
   const auto& blocks = session_.last_stats();
   const bool measuring = std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; });
   if (measuring) {
@@ -158,8 +162,10 @@ ReservedPlan Runtime::measured_fallback(int64_t full_peak, const std::string& wh
   const std::string measured_then = " of step " + std::to_string(full_step_->step) + " measured " +
                                     std::to_string(full_step_->peak_bytes) + " bytes";
   ReservedPlan r;
-  if (fixed_masks_) {
-    session_.set_plans({});  // every call replays with the unplanned schedule again, for the rest of this limit
+  if (planned_schedules_) {
+    // Every call replays as the measured step did, for the rest of this limit: its masks (fixed, or "full"'s for
+    // auto, whose calls drop everything without a plan) with the unplanned schedule (lazy under a limit).
+    session_.set_plans({});
     lazy_fallback_ = true;
     r.plan.predicted_peak_bytes = full_peak;
     r.plan.min_feasible_peak_bytes = full_peak;
@@ -175,9 +181,10 @@ ReservedPlan Runtime::measured_fallback(int64_t full_peak, const std::string& wh
 
 int64_t Runtime::measured_full_peak(int64_t baseline) const {
   if (!full_step_) return INT64_MAX;
-  // The least-memory masks of auto depend on the tapes; the unplanned schedule of fixed masks (lazy) does not: a new
-  // routing of an MoE layer replays lazily as the measured step did.
-  if (!fixed_masks_ && planner_->call_signatures() != full_step_->signatures) return INT64_MAX;
+  // The least-memory masks of auto with one-segment replays depend on the tapes; the unplanned schedule (lazy, with
+  // the masks of "full" or the fixed ones) does not: a new routing of an MoE layer replays lazily as the measured
+  // step did.
+  if (!planned_schedules_ && planner_->call_signatures() != full_step_->signatures) return INT64_MAX;
   return full_step_->peak_bytes + (baseline - full_step_->baseline_bytes);
 }
 

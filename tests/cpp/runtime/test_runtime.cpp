@@ -421,6 +421,44 @@ TEST(Runtime, FixedMasksFallBackToLazyReplaysUnderALimit) {
   s->shutdown();
 }
 
+// Policy "auto" with planned schedules: its measuring step runs "full"'s masks lazily under the limit (one segment
+// per call, as without schedules, peaks at checkpointing's peak: over every limit below it; in these blocks of two
+// values both peak alike), and its fallback is that step again: no plans, lazy replays, for the rest of the limit.
+TEST(Runtime, AutoWithPlannedSchedulesMeasuresLazilyAndFallsBackToThatStep) {
+  const auto w = torch::randn({kDim, kDim});
+  auto probe = make_session(PolicyKind::kPlan);
+  Runtime measure(*probe, auto_options(int64_t{1} << 30));  // no schedules: the measuring step replays one segment
+  const int64_t one_segment = run_step(*probe, measure, w, 64);
+  for (const auto& b : probe->last_stats()) EXPECT_EQ(b.segments, 1) << b.name;
+  probe->shutdown();
+
+  auto s = make_session(PolicyKind::kPlan);
+  RuntimeOptions o = auto_options(one_segment);
+  o.schedules = true;
+  Runtime rt(*s, o);
+  const int64_t first = run_step(*s, rt, w, 64);
+  for (const auto& b : s->last_stats()) {
+    EXPECT_FALSE(b.planned) << b.name;
+    EXPECT_GT(b.segments, 1) << b.name << ": the measuring step replays lazily under a limit";
+    EXPECT_GT(b.dropped_tensors, 0) << b.name << ": with the masks of policy full";
+  }
+  EXPECT_LE(first, one_segment);
+  rt.after_step(first, 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  run_step(*s, rt, w, 64);
+  rt.after_step(one_segment + 200'000, 2);  // as if the plan had run 200,000 bytes over
+  ASSERT_NE(rt.plan(), nullptr);
+  EXPECT_EQ(rt.plan()->reason.rfind("fallback", 0), 0u) << rt.plan()->reason;
+  EXPECT_TRUE(s->plans().empty());
+  for (int step = 3; step <= 4; ++step) {
+    EXPECT_EQ(run_step(*s, rt, w, 64), first);  // the measuring step again
+    for (const auto& b : s->last_stats()) EXPECT_GT(b.segments, 1) << b.name;
+    rt.after_step(first, step);
+    EXPECT_TRUE(s->plans().empty());  // no replan while the fallback holds
+  }
+  s->shutdown();
+}
+
 TEST(Runtime, InfeasibleLimitMessageSaysWhatHowMuchAndHowToFix) {
   EXPECT_EQ(infeasible_limit_message(4'000'000, 5'242'880),
             "tapesac: memory_limit 3.81 MiB (4000000 bytes) is below the smallest feasible step peak 5.00 MiB "

@@ -6,7 +6,10 @@
 //    step whose measured peak exceeded the limit (the next plan keeps the model's error below the limit); the limit
 //    is enforced from the first step on, and a call without a plan replays lazily under it (the least it can hold;
 //    Session::set_unplanned_schedule). Without a limit the schedules lower the predicted peak within the replay time
-//    budget (AutoPlannerOptions::schedule_time_budget) or to the least peak.
+//    budget (AutoPlannerOptions::schedule_time_budget) or to the least peak. Policy "auto" with schedules plans the
+//    masks and the schedules; its measuring step (no plan yet) runs "full"'s masks lazily under a limit too, at the
+//    floor of the step peak (before 2026-12-03 it replayed one segment per call, at checkpointing's peak: over every
+//    limit below it, flagged, on small and medium Qwen3, Llama and Qwen3-MoE in perf/bench_limits.py).
 //  * before_step() sets the limit the step's replays enforce: policy "auto"'s measuring step (no plan yet) runs
 //    without it, so that an infeasible limit is reported by the planner with the smallest feasible one rather than
 //    by the first replay that does not fit; likewise the steps on which preserve="auto" measures its trials.
@@ -21,27 +24,28 @@
 //    predicted under limit - margin (after a planned step ran over the limit, the margin holds back the model's
 //    error), yet that measurement, shifted by the baseline's growth since, is within the limit and the calls have
 //    the same tapes, the least-memory plan is installed instead of raising MemoryLimitError: a limit that "full"
-//    met is never refused, and a refused one names at most that figure (the GRU stack of test_user_holes.py: keeping everything was predicted 640 bytes low, ran
-//    64 bytes over a limit of 40,904 — "full"'s measured peak — and the replan refused, naming 45,577). With fixed
-//    masks (policies "full", op sets, callables under a limit) the step without plans replayed lazily: when no
-//    schedules fit under limit - margin and that step measured within the limit, the plans are cleared and every
+//    met is never refused, and a refused one names at most that figure (the GRU stack of test_user_holes.py: keeping
+//    everything was predicted 640 bytes low, ran 64 bytes over a limit of 40,904 — "full"'s measured peak — and the
+//    replan refused, naming 45,577). With planned schedules (fixed masks: policies "full", op sets, callables; or
+//    "auto" with schedule="planned") under a limit the step without plans replayed lazily: when no plan fits under
+//    limit - margin and that step measured within the limit, the plans are cleared and every
 //    call replays lazily for the rest of the limit (no more replans until set_memory_limit: small Qwen3-MoE, whose
 //    routing changes every step, raised MemoryLimitError after step 2 before, and replanning after the fallback
 //    ran every other step over).
 //  * Note [Keep-everything probe]. The keep-everything ceiling is an upper bound read off auto's measuring step (which
 //    dropped and replayed): on small blocks it can lie a few percent above what keeping everything really peaks at
-//    (random program 1220: ceiling 20,536 bytes, "none" measured 20,248), and when the measuring step itself ran
-//    over the limit (it runs "full" with one replay per call) a limit at the no-checkpoint peak was refused. When no
-//    plan fits after the measuring step and the ceiling lies within RuntimeOptions::keep_all_probe of the limit above
-//    it, the next step keeps everything as a measurement instead of raising: within the limit, the plan made after it
-//    keeps everything (its ceiling is now that measured peak, with no slack below it); over it, the step is flagged
-//    over_limit like any step over the limit, and the plan made after it drops, or the limit is refused naming a
-//    figure a step measured. Once per limit. Only when nothing measured fits: a limit the measuring step met falls
-//    back to its masks (Note [Measured fallback]) instead of probing (probes there ran 0.1-4% over on 6 of the first
-//    1,000 random programs, all at limits the fallback meets). A plan that fits and drops is not probed: the probe
-//    could run over a limit that the plan meets (a double backward at 70% of the way from "full" to "none": 3.1%
-//    over), so at a limit at the no-checkpoint peak auto may still drop where the ceiling overestimates (README,
-//    Limits and guarantees).
+//    (random program 1220: ceiling 20,536 bytes, "none" measured 20,248), and when the measuring step itself ran over
+//    the limit (one-segment schedules: it runs "full" with one replay per call) a limit at the no-checkpoint peak was
+//    refused. When no plan fits after the measuring step and the ceiling lies within RuntimeOptions::keep_all_probe of
+//    the limit above it, the next step keeps everything as a measurement instead of raising: within the limit, the plan
+//    made after it keeps everything (its ceiling is now that measured peak, with no slack below it); over it, the step
+//    is flagged over_limit like any step over the limit, and the plan made after it drops, or the limit is refused
+//    naming a figure a step measured. Once per limit. Only when nothing measured fits: a limit the measuring step met
+//    falls back to its masks (Note [Measured fallback]) instead of probing (probes there ran 0.1-4% over on 6 of the
+//    first 1,000 random programs, all at limits the fallback meets). A plan that fits and drops is not probed: the
+//    probe could run over a limit that the plan meets (a double backward at 70% of the way from "full" to "none": 3.1%
+//    over), so at a limit at the no-checkpoint peak auto may still drop where the ceiling overestimates (README, Limits
+//    and guarantees).
 //  * The session must outlive the Runtime. Not thread-safe: one step at a time, between steps.
 #pragma once
 
@@ -123,6 +127,7 @@ class Runtime {
   int64_t limit_;
   std::unique_ptr<AutoPlanner> planner_;
   bool fixed_masks_ = false;  // the planner plans schedules only (RuntimeOptions::schedules)
+  bool planned_schedules_ = false;  // RuntimeOptions::schedules: the planner plans the replay schedules
   ReplanPolicy replan_;
   PreservationChooser chooser_;
   std::optional<PlanInfo> plan_;
@@ -135,7 +140,8 @@ class Runtime {
     std::vector<uint64_t> signatures;
   };
   std::optional<MeasuredStep> full_step_;
-  bool lazy_fallback_ = false;  // fixed masks replay lazily for the rest of the limit (Note [Measured fallback])
+  // The calls replay lazily without plans for the rest of the limit (Note [Measured fallback]).
+  bool lazy_fallback_ = false;
   double keep_all_probe_ = 0;    // RuntimeOptions::keep_all_probe
   bool probed_ = false;          // a keep-everything probe ran (or is running) under this limit
   bool probe_running_ = false;   // the plan in use is the probe's: the step after it is planned again

@@ -250,6 +250,7 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
     return;
   }
   const int64_t t0 = now_ns();
+  const int64_t held_before = e.stats.held_bytes;
   busy_ = true;
   try {
     QuietScope quiet;
@@ -302,6 +303,7 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
   ++e.stats.writes;
   e.stats.save_ns += now_ns() - t0;
   e.stats.last_save_ns = t0;
+  if (e.stats.held_bytes > held_before) e.stats.saves.emplace_back(t0, e.stats.held_bytes - held_before);
 }
 
 int64_t WriteWatcher::watch(const at::Tensor& t) {

@@ -176,6 +176,7 @@ void Session::end_step() noexcept {
         const int64_t step_began = common::now_ns() - memory_->elapsed_ns();
         for (PreservedStorage& p : last_preserved_) {
           if (p.last_save_ns >= 0) p.last_save_ns = std::max<int64_t>(0, p.last_save_ns - step_began);
+          for (auto& save : p.saves) save.first = std::max<int64_t>(0, save.first - step_began);
         }
       }
     } catch (...) {

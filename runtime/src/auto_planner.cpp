@@ -251,10 +251,11 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   const std::vector<planner::TimedBytes> timeline = timed_bytes(m);
   std::vector<int64_t> held = prep.extras.held_for_replay;
   if (held.size() != calls_.size()) held.clear();
-  // The copies that undo writes for replays (held from the last save to the step's end; keeping everything makes none).
+  // The copies that undo writes for replays (each held from its save to the step's end; keeping everything makes
+  // none).
   std::vector<planner::HeldToEnd> saved;
   for (const replay::PreservedStorage& p : session_.last_preserved()) {
-    if (p.last_save_ns >= 0 && p.held_bytes > 0) saved.push_back(planner::HeldToEnd{p.last_save_ns, p.held_bytes});
+    for (const auto& [t_ns, bytes] : p.saves) saved.push_back(planner::HeldToEnd{t_ns, bytes});
   }
   std::vector<std::string> keys;
   for (const Call& c : calls_) keys.push_back(c.key);

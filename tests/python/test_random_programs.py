@@ -95,6 +95,17 @@ def _keeps_everything_at_the_no_checkpoint_peak(seed: int) -> R.ProgramOutcome:
     return outcome
 
 
+@pytest.mark.parametrize("seed", [645, 2575, 3314])
+def test_auto_keeps_everything_at_the_no_checkpoint_peak_after_two_saved_writes(seed: int) -> None:
+    """Found by `python random_program.py 0 5000` (2026-12-03): a `.data` write in each of a step's two backwards
+    (retain_graph twice, autograd.grad then backward) made two saved copies; the keep-everything ceiling subtracted
+    both only from the second one's moment, so keeping everything was predicted up to one copy above the
+    no-checkpoint peak (2575: 1,764 bytes for 1,700) and auto dropped values at that limit. Each save now counts
+    from its own moment (PreservedStorage::saves)."""
+    outcome = _keeps_everything_at_the_no_checkpoint_peak(seed)
+    assert outcome.program.data_writes, outcome.program
+
+
 @pytest.mark.parametrize("seed", [71, 137, 236, 104, 273, 577, 724, 989])
 def test_auto_keeps_everything_at_the_no_checkpoint_peak(seed: int) -> None:
     """Issue 18 item 5: a limit at the no-checkpoint peak keeps everything. 71, 137, 236 (11-27 KB) were refused

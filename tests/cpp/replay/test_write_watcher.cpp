@@ -30,6 +30,25 @@ TEST(WriteWatcher, CountsWritesToTheWatchedStorageOnly) {
   w.end();
 }
 
+// Every save is reported with its moment and its bytes (random programs 645 and 2575: with only the last save's
+// moment, the keep-everything ceiling counted the first copy until the second was made).
+TEST(WriteWatcher, ReportsEachSaveWithItsMomentAndBytes) {
+  WriteWatcher w(PreserveMode::kRegions);
+  w.install();
+  at::Tensor bank = torch::zeros({16, 4});
+  w.watch(bank);
+  bank.index_fill_(0, torch::tensor({1, 3}), 2.0);  // two rows of 4 floats
+  bank.mul_(0.5);                                   // the whole storage
+  const std::vector<PreservedStorage> st = w.stats();
+  w.end();
+  ASSERT_EQ(st.size(), 1u);
+  ASSERT_EQ(st[0].saves.size(), 2u);
+  EXPECT_LT(st[0].saves[0].first, st[0].saves[1].first);
+  EXPECT_EQ(st[0].saves[1].first, st[0].last_save_ns);
+  EXPECT_EQ(st[0].saves[1].second, 16 * 4 * 4);
+  EXPECT_EQ(st[0].saves[0].second + st[0].saves[1].second, st[0].held_bytes);
+}
+
 TEST(WriteWatcher, AFreedWatchedStorageIsNotConfusedWithANewOneAtItsAddress) {
   // The entries are keyed by StorageImpl address. The step's pattern: a block input is watched in the forward, the
   // backward (watcher paused) frees it, and the next forward allocates. Without a hold on the watched StorageImpl,

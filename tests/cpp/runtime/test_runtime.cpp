@@ -590,6 +590,10 @@ TEST(Runtime, PreserveAutoMeasuresItsTrialsWithoutTheLimitThenKeepsTheBest) {
       EXPECT_EQ(spans[1].call, "bank");
       EXPECT_GE(p.last_save_ns, spans[0].end_ns);
       EXPECT_LE(p.last_save_ns, spans[1].begin_ns);
+      // One save, at that moment, of all the bytes held (the ceiling subtracts each save from its own moment).
+      ASSERT_EQ(p.saves.size(), 1u);
+      EXPECT_EQ(p.saves[0].first, p.last_save_ns);
+      EXPECT_EQ(p.saves[0].second, p.held_bytes);
     }
     rt.after_step(peak, step);
     if (step == 2) {

@@ -41,6 +41,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -69,6 +70,11 @@ struct PreservedStorage {
   /// When the last save was made (-1: none): WriteWatcher::stats() gives it on common::now_ns()'s clock,
   /// Session::last_preserved() on the step's memory clock (ns since the step began, as the timeline's points).
   int64_t last_save_ns = -1;
+  /// Every save that held bytes: (when, on the same clock as last_save_ns; the bytes it added to held_bytes). The
+  /// planner subtracts each from its own moment on (random programs 645, 2575 and five more: a write made in each of
+  /// two backwards, both copies counted from the second one, so keeping everything was predicted one copy above the
+  /// no-checkpoint peak and auto dropped values at that limit).
+  std::vector<std::pair<int64_t, int64_t>> saves;
 };
 
 class WriteWatcher {

@@ -212,6 +212,9 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
       for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
     } else {
       peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
+      if (!retained && k < rest_c.size() && k < ws_ref.size() && ws[k] > ws_ref[k]) {
+        peak = std::max(peak, rest_c[k] + prefix + holding + ws[k]);  // Note [Working set larger than the measured one]
+      }
       if (!retained && replays && window_levels.size() == kept.size()) {
         // Note [Window of a call keeping more]: what the plan replays in this window (the call's working set, and
         // what it keeps less than the plan that ran), and the values of this call it keeps that the plan that ran
@@ -259,12 +262,22 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
     bwd_alive += extra(extras.alive_backward, k);
     m.backward_c[k] =
         profile.backward_peaks[k] - (extras.retained ? all : bwd_prefix + holding) - bwd_alive - ws_ref[k];
+    if (!extras.retained && profile.backward_levels.size() == n && !profile.backward_levels[k].empty()) {
+      // Note [Working set larger than the measured one]: the levels are sorted by rest, largest first.
+      m.rest_c.push_back(std::max(m.backward_c[k], profile.backward_levels[k].front().rest - bwd_prefix - holding -
+                                                       bwd_alive));
+    }
     if (extras.retained && extras.last_backward.valid && extras.last_backward.backward_peaks.size() == n) {
       m.last_backward_c.push_back(extras.last_backward.backward_peaks[k] - bwd_prefix - holding - bwd_alive -
                                   ws_ref[k]);
     }
   }
   m.tail_c = profile.tail_peak - prefix - holding;
+  if (m.rest_c.size() == n) {
+    m.ws_ref = ws_ref;
+  } else {
+    m.rest_c.clear();
+  }
   int64_t all_ref = 0;  // every call's kept and held bytes in the plan that ran
   for (size_t k = 0; k < n; ++k) all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
   if (!extras.retained && profile.backward_levels.size() == n) {

@@ -226,6 +226,23 @@ TEST(SequencePeakModel, AWindowPeakingAfterItsReplayIsNotLoweredByTheTransientsA
   EXPECT_EQ(m.predict({100}, {0}), 320);
 }
 
+// Note [Working set larger than the measured one]: a lazy measuring step held at most 100 replay bytes at once (at
+// 41), and its window peaked at 55 with 20 of them alive (rest 380). A plan rebuilding 250 at once may do so when
+// the rest is at its largest: 380 + 250, not the window's peak less the measured working set plus the new one.
+TEST(SequencePeakModel, AWorkingSetLargerThanTheMeasuredOneIsChargedOnTheLargestRest) {
+  const std::vector<TimedBytes> tl{{5, 0, 0}, {15, 100, 0}, {25, 0, 0}, {41, 300, 100}, {55, 400, 20},
+                                   {70, 200, 0}, {80, 0, 0}};
+  const StepProfile p = profile_step(tl, {10}, {20}, {40}, 0);
+  ASSERT_TRUE(p.valid);
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, {0}, {100});
+  ASSERT_TRUE(m.valid);
+  EXPECT_EQ(m.predict({0}, {100}), 400);   // the plan that ran: the measured peak
+  // Replaying less at once: as before, the window's level at 55 (rest 380 and the 20 replay bytes it had alive).
+  EXPECT_EQ(m.predict({0}, {80}), 400);
+  EXPECT_EQ(m.predict({0}, {250}), 630);   // the largest rest (380) plus the whole new working set
+  EXPECT_EQ(m.backward_c[0] + 250, 550);   // what the working-set term alone predicted
+}
+
 // Issue 18 item 5: inputs held only for the replay (a block input autocast casts first) are freed by a plan that
 // keeps everything, and held by one that replays.
 TEST(SequencePeakModel, InputsHeldForTheReplayAreFreedWhenNothingReplays) {

@@ -216,6 +216,20 @@ struct StepExtras {
 /// charges every value a call keeps more wherever the step had replay bytes alive, transients included, which
 /// for keeping everything put 11 more random programs above their no-checkpoint peak (2071: 2,264 bytes); that
 /// plan is bounded by Note [Keep-everything ceiling] instead.
+/// Note [Working set larger than the measured one]. backward_c is the window's peak less the whole working set of
+/// the schedule that ran. When that schedule was lazy (the measuring step under a limit: one segment per value),
+/// its working set is the most it held at once, often not at the window's peak; a plan replaying more at once
+/// (one segment, or segments holding what later ones read) may hold it on top of what the window holds at another
+/// moment. Small Qwen3-MoE under "full" at its lowest bench_limits limit, step 2: predicted 70,902,688 bytes,
+/// measured 72,431,440 (2.1% over the limit), in the window of call 0. For a call whose working set exceeds the
+/// measured one the window is bounded instead by its largest rest (bytes in use less the replays' bytes alive, at
+/// any moment of the window) plus the whole new working set: rest_c[i] + sum_{j<=i} kept_j + held + ws_i.
+/// In that window the measuring step peaked during a replay, with little of the backward's own memory
+/// alive; the plan held 9.5 MB of rebuilt values across segments through a later moment at which the backward had
+/// 6.3 MB more allocated. Measured with perf/bench_limits.py (small and medium Qwen3, Llama, Qwen3-MoE, 3 limits,
+/// `full` and `auto`, 5 steps): 0 of 180 steps over the limit (7 before, all Qwen3-MoE's step 2). The bound is an
+/// upper one: planned steps of the dense models now peak at 0.923-0.985 of the limit (0.967-1.000 before), and
+/// `auto` at 0.9x checkpointing's peak recomputes more (small Qwen3 / Llama: 66 / 70 ms, 49 / 50 ms before).
 struct SequencePeakModel {
   bool valid = false;
   int64_t pre = 0;
@@ -241,6 +255,10 @@ struct SequencePeakModel {
   std::vector<std::vector<RestLevel>> window_levels;
   std::vector<int64_t> kept_ref, alive_ref;
   int64_t window_all_ref = 0;
+  /// Without `retained`, per call (empty: not calibrated with them; Note [Working set larger than the measured
+  /// one]): the replay working set of the schedule that ran, and the window's largest bytes in use less the
+  /// replays' bytes alive, less what backward_c's term counts besides (as backward_c).
+  std::vector<int64_t> ws_ref, rest_c;
   /// Added to every prediction: how much the step's baseline (bytes in use when it began: parameters, gradients kept
   /// from the previous step, optimizer state) grew since the step the model was calibrated on.
   int64_t baseline_shift = 0;

@@ -15,7 +15,7 @@ from torch import nn
 from . import _C
 from .errors import ConfigError
 
-__all__ = ["resolve_blocks", "resolve_backend", "model_device", "is_compiled"]
+__all__ = ["resolve_blocks", "resolve_backend", "model_device", "is_compiled", "ModelTensors"]
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -30,6 +30,47 @@ def model_device(model: nn.Module) -> torch.device:
     for t in model.buffers():
         return t.device
     return torch.device("cpu")
+
+
+class ModelTensors:
+    """The parameters and buffers of a model, read at every step's start (the step's baseline and which storages are
+    parameters: replay/session.h), without walking the module tree each time.
+
+    Note [Module tree cache]. ``model.parameters()`` walks the tree through nested generators: 59 us per step on
+    one Qwen3 decoder layer (22 modules), ~1 ms on 28 layers, paid by every step (issue 20: a one-layer step's fixed
+    cost was 96 us). The module list is cached and checked each step instead: every cached module's children,
+    compared by identity (a submodule assigned, deleted or replaced through ``_modules`` rebuilds the list), and the
+    tensors are read from each module's ``_parameters`` and ``_buffers`` as they are at that moment (a parameter or
+    buffer reassigned between steps, FSDP2 swapping them through ``_parameters``, is seen). Shared modules appear
+    once (``modules()``); a tensor shared by two modules twice (the session counts each storage once).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._modules: list[nn.Module] = []
+        self._children: list[tuple[Any, ...]] = []
+
+    def _tree_changed(self) -> bool:
+        if not self._modules:
+            return True
+        for m, children in zip(self._modules, self._children):
+            if tuple(m._modules.values()) != children:
+                return True
+        return False
+
+    def __call__(self) -> list[torch.Tensor]:
+        if self._tree_changed():
+            self._modules = list(self._model.modules())
+            self._children = [tuple(m._modules.values()) for m in self._modules]
+        out: list[torch.Tensor] = []
+        for m in self._modules:
+            for t in m._parameters.values():
+                if t is not None:
+                    out.append(t)
+            for t in m._buffers.values():
+                if t is not None:
+                    out.append(t)
+        return out
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

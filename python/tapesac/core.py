@@ -24,7 +24,7 @@ from torch import nn
 
 from . import _C
 from .attach import Attachment, check_not_attached
-from .blocks import model_device, resolve_backend, resolve_blocks
+from .blocks import ModelTensors, model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc, resolve_schedule
 from .conflicts import Conflicts
 from .errors import ConfigError, TapeSACError
@@ -104,6 +104,7 @@ class TapeSAC:
         policy = cfg.policy if cfg.policy is not None else ("auto" if limit is not None else "full")
         self.backend = resolve_backend(cfg.backend, self._device)
         self._model = model
+        self._tensors = ModelTensors(model)  # parameters and buffers, read at each step's start
         self._blocks = resolve_blocks(model, cfg.blocks)
         self._policy_label, session_policy, save_op = parse_policy(policy)
         self._save_op = save_op
@@ -185,7 +186,7 @@ class TapeSAC:
                 f"after its backward: tapesac.integrations has callbacks for HF Trainer and Lightning, and "
                 f"sac.attach(optimizer) delimits steps without a `with` block)."
             )
-        params = [p for p in self._model.parameters()] + [b for b in self._model.buffers()]
+        params = self._tensors()
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
         self._conflicts.before_step()

@@ -90,6 +90,51 @@ def test_full_keeps_less_than_none(tapesac) -> None:
     assert peaks["full"].baseline_bytes == param_bytes
 
 
+
+def _resident_bytes(model: nn.Module) -> int:
+    """Parameters, buffers and gradients, each storage once: a step's baseline."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def test_the_baseline_follows_the_model_changing_between_steps(tapesac) -> None:
+    """Note [Module tree cache]: the module list is cached across steps, and every way of changing the model between
+    steps is seen at the next step's start — a submodule added, replaced or deleted (also through ``_modules``), a
+    parameter or buffer reassigned or registered, a parameter swapped through ``_parameters`` (as FSDP2 does)."""
+    model = stack(n=2)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    x = x_in()
+
+    def step() -> int:
+        model.zero_grad(set_to_none=True)
+        with sac.step():
+            model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return sac.last_step.memory.baseline_bytes
+
+    assert step() == _resident_bytes(model)
+    changes = [
+        lambda: setattr(model, "extra", nn.Linear(M.D, 64)),                      # a submodule added
+        lambda: setattr(model, "extra", nn.Linear(M.D, 128)),                     # replaced (same name)
+        lambda: model._modules.__setitem__("extra", nn.Linear(M.D, 256)),         # replaced through _modules
+        lambda: setattr(model.extra, "weight", nn.Parameter(torch.zeros(512, M.D))),  # a parameter reassigned
+        lambda: model.extra._parameters.__setitem__("bias", nn.Parameter(torch.zeros(999))),  # FSDP2-style swap
+        lambda: model.extra.register_buffer("stat", torch.zeros(300)),           # a buffer registered
+        lambda: setattr(model.extra, "stat", torch.zeros(700)),                  # a buffer reassigned
+        lambda: delattr(model, "extra"),                                         # a submodule deleted
+    ]
+    for change in changes:
+        before = _resident_bytes(model)
+        change()
+        assert _resident_bytes(model) != before  # each change changes what the model holds
+        assert step() == _resident_bytes(model)
+    sac.close()
+
 def test_replay_working_set_prediction_matches_measurement(tapesac) -> None:
     model = _qwen()
     sac = tapesac.TapeSAC(model, policy="full")

@@ -258,20 +258,27 @@ def _bench_limits() -> Any:
     return bench
 
 
+def _bench_model(arch: str) -> tuple[Any, Any, torch.Tensor, int, int]:
+    """(bench_limits, the bench's small `arch` model, its batch, checkpointing's step peak, the floor: the peak of
+    "full" with schedule="lazy")."""
+    bench = _bench_limits()
+    from tapesac.bench.sizes import SIZES, build_model
+
+    size = SIZES["small"]
+    model = build_model(arch, size, seed=0)
+    ids = bench._ids(model, size.batch, size.seq)
+    ckpt = bench.ckpt_peak(model, ids)
+    floor = max(bench.run(model, ids, 2, policy="full", schedule="lazy")["peaks"])
+    return bench, model, ids, ckpt, floor
+
+
 def test_auto_plans_below_checkpointings_peak_on_the_bench_model() -> None:
     """`python perf/bench_limits.py` on the small Qwen3 of the bench (4 decoder layers, batch 4 x 256): policy auto
     with planned schedules at a limit halfway from the floor (full, lazy) to checkpointing's peak runs every step
     after its measuring one within the limit. A peak model that charged each backward window the working sets of
     every call backwarded before it (86aa680) put every plan above checkpointing's peak and refused all such
     limits (MemoryLimitError naming 53.45 MiB); no other test saw it, the one of the tiny model being an xfail."""
-    bench = _bench_limits()
-    from tapesac.bench.sizes import SIZES, build_model
-
-    size = SIZES["small"]
-    model = build_model("qwen3", size, seed=0)
-    ids = bench._ids(model, size.batch, size.seq)
-    ckpt = bench.ckpt_peak(model, ids)
-    floor = max(bench.run(model, ids, 2, policy="full", schedule="lazy")["peaks"])
+    bench, model, ids, ckpt, floor = _bench_model("qwen3")
     assert floor < ckpt
     limit = int(floor + 0.5 * (ckpt - floor))
     r = bench.run(model, ids, 4, policy="auto", memory_limit=limit, schedule="planned")
@@ -309,14 +316,7 @@ def test_full_under_a_limit_on_the_bench_moe_keeps_every_step_within_it() -> Non
     (flagged) before Note [Working set larger than the measured one] — the lazy measuring step peaked during a
     replay, and the plan held rebuilt values across segments through a later moment of the same window at which the
     backward had more allocated. Every step is within the limit now."""
-    bench = _bench_limits()
-    from tapesac.bench.sizes import SIZES, build_model
-
-    size = SIZES["small"]
-    model = build_model("qwen3_moe", size, seed=0)
-    ids = bench._ids(model, size.batch, size.seq)
-    ckpt = bench.ckpt_peak(model, ids)
-    floor = max(bench.run(model, ids, 2, policy="full", schedule="lazy")["peaks"])
+    bench, model, ids, ckpt, floor = _bench_model("qwen3_moe")
     limit = int(floor + 0.25 * (ckpt - floor))
     r = bench.run(model, ids, 3, policy="full", memory_limit=limit)
     assert r["error"] is None, r["error"]

@@ -212,7 +212,7 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
       for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
     } else {
       peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
-      if (!retained && k < rest_c.size() && k < ws_ref.size() && ws[k] > ws_ref[k]) {
+      if (!retained && !rest_c.empty() && ws[k] > ws_ref[k]) {  // rest_c and ws_ref: one per call, or none
         peak = std::max(peak, rest_c[k] + prefix + holding + ws[k]);  // Note [Working set larger than the measured one]
       }
       if (!retained && replays && window_levels.size() == kept.size()) {

@@ -71,7 +71,7 @@ struct PreservedStorage {
   /// Session::last_preserved() on the step's memory clock (ns since the step began, as the timeline's points).
   int64_t last_save_ns = -1;
   /// Every save that held bytes: (when, on the same clock as last_save_ns; the bytes it added to held_bytes). The
-  /// planner subtracts each from its own moment on (random programs 645, 2575 and five more: a write made in each of
+  /// planner subtracts each from its own moment on (random programs 645, 2575 and six more: a write made in each of
   /// two backwards, both copies counted from the second one, so keeping everything was predicted one copy above the
   /// no-checkpoint peak and auto dropped values at that limit).
   std::vector<std::pair<int64_t, int64_t>> saves;

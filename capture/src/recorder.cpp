@@ -3,11 +3,13 @@
 #include "tapesac/capture/recorder.h"
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
 
 #include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Type.h>
@@ -53,7 +55,38 @@ std::string reason_of(const std::exception& e) {
          "; a Python error raised inside a tensor subclass or a dispatch mode)";
 }
 
+std::atomic<RecorderHook> g_default_hook{RecorderHook::kAuto};
+
 }  // namespace
+
+const char* recorder_hook_name(RecorderHook hook) {
+  switch (hook) {
+    case RecorderHook::kDefault: return "default";
+    case RecorderHook::kAuto: return "auto";
+    case RecorderHook::kDispatchKey: return "dispatch_key";
+    case RecorderHook::kRecordFunction: return "record_function";
+  }
+  return "default";
+}
+
+RecorderHook parse_recorder_hook(const std::string& name) {
+  for (RecorderHook h : {RecorderHook::kDefault, RecorderHook::kAuto, RecorderHook::kDispatchKey,
+                         RecorderHook::kRecordFunction}) {
+    if (name == recorder_hook_name(h)) return h;
+  }
+  throw std::invalid_argument("tapesac: unknown recorder hook '" + name +
+                              "'; expected one of 'default', 'auto', 'dispatch_key', 'record_function'");
+}
+
+RecorderHook default_recorder_hook() { return g_default_hook.load(std::memory_order_relaxed); }
+
+void set_default_recorder_hook(RecorderHook hook) {
+  if (hook == RecorderHook::kDefault) {
+    throw std::invalid_argument(
+        "tapesac: the default recorder hook must be 'auto', 'dispatch_key' or 'record_function', not 'default'");
+  }
+  g_default_hook.store(hook, std::memory_order_relaxed);
+}
 
 TensorMeta meta_of(const at::Tensor& t) {
   TensorMeta m;
@@ -95,10 +128,19 @@ void Recorder::start() {
   storage_refs_.reserve(2 * n);
   last_value_of_storage_.reserve(2 * n);
   prev_value_same_storage_.reserve(3 * n);
-  callback_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&Recorder::on_enter, &Recorder::on_exit)
-                                             .needsInputs(true)
-                                             .needsOutputs(true)
-                                             .scopes({at::RecordScope::FUNCTION}));
+  RecorderHook hook = options_.hook == RecorderHook::kDefault ? default_recorder_hook() : options_.hook;
+  if (hook == RecorderHook::kAuto) {
+    hook = dispatch_hook::available() ? RecorderHook::kDispatchKey : RecorderHook::kRecordFunction;
+  }
+  if (hook == RecorderHook::kDispatchKey) {
+    dispatch_hook::attach(this);  // throws std::logic_error when the hook is not available
+  } else {
+    callback_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&Recorder::on_enter, &Recorder::on_exit)
+                                               .needsInputs(true)
+                                               .needsOutputs(true)
+                                               .scopes({at::RecordScope::FUNCTION}));
+  }
+  hook_ = hook;
   t_current = this;
   active_ = true;
   tape_.set_op_timing(options_.time_ops ? OpTiming::kCpuClock : OpTiming::kUntimed);
@@ -147,8 +189,12 @@ void Recorder::finish_timer() noexcept {
 
 void Recorder::stop() noexcept {
   if (!active_) return;
-  at::removeCallback(callback_);
-  callback_ = 0;
+  if (hook_ == RecorderHook::kDispatchKey) {
+    dispatch_hook::detach(this);
+  } else {
+    at::removeCallback(callback_);
+    callback_ = 0;
+  }
   if (t_current == this) t_current = nullptr;
   active_ = false;
   finish_timer();
@@ -173,19 +219,40 @@ void Recorder::clear() noexcept {
   opaque_.clear();
 }
 
+std::optional<c10::OperatorName> Recorder::CallView::operator_name() const {
+  if (op != nullptr) return op->operator_name();
+  if (fn != nullptr) return fn->operator_name();
+  return std::nullopt;
+}
+
 std::unique_ptr<at::ObserverContext> Recorder::on_enter(const at::RecordFunction& fn) {
   Recorder* r = t_current;
-  if (r != nullptr) r->enter(fn);
+  if (r != nullptr && r->hook_ == RecorderHook::kRecordFunction) r->enter(CallView{fn.name(), fn.inputs(), &fn, nullptr});
   return nullptr;
 }
 
 void Recorder::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   Recorder* r = t_current;
-  if (r != nullptr) r->exit(fn);
+  if (r != nullptr && r->hook_ == RecorderHook::kRecordFunction) {
+    r->exit(CallView{fn.name(), {}, &fn, nullptr}, fn.outputs());
+  }
 }
 
-const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
+bool Recorder::on_call_enter(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, int /*depth*/) noexcept {
+  enter(CallView{op.schema().name().c_str(), args, nullptr, &op});
+  // The calls made inside at autograd level (a composite op's children, the clone an in-place op's autograd kernel
+  // saves) are ops autograd sees: the hook must show them, and skips those below autograd by itself.
+  return error_.empty();
+}
+
+void Recorder::on_call_exit(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> returns) noexcept {
+  exit(CallView{op.schema().name().c_str(), {}, nullptr, &op}, returns);
+}
+
+const OpInfo* Recorder::should_record(const CallView& call) {
   if (busy_) return nullptr;
+  // torch.compile's tracing (the dispatch hook skips these calls before they get here; at::RecordFunction does not).
+  if (call.fn != nullptr && dispatch_hook::tracing_fakes()) return nullptr;
   // Note [Which calls autograd sees]. The parent is the innermost enclosing call we track (recorded or
   // composite); open_ holds exactly those.
   //  * An op called from inside another op's kernel runs with the autograd keys excluded: autograd does not see
@@ -200,20 +267,20 @@ const OpInfo* Recorder::should_record(const at::RecordFunction& fn) {
     if (tls.excluded_.has_any(c10::autograd_dispatch_keyset)) return nullptr;
     if (!parent->composite && !parent->has_tensor_args) return nullptr;
   }
-  const char* name = fn.name();
+  const char* name = call.name;
   const OpInfo* info = nullptr;
   auto it = info_by_name_.find(name);
   if (it != info_by_name_.end()) {
     info = it->second;
   } else {
-    auto op_name = fn.operator_name();
+    auto op_name = call.operator_name();
     info = op_name.has_value() ? op_info(*op_name) : nullptr;
     info_by_name_.emplace(name, info);
   }
   if (info == nullptr) return nullptr;
   bool cuda = false;
   has_tensor_args_ = false;
-  for (const c10::IValue& v : fn.inputs()) {
+  for (const c10::IValue& v : call.inputs) {
     if (v.isTensor() && v.toTensor().defined()) {
       cuda = v.toTensor().is_cuda();
       has_tensor_args_ = true;
@@ -338,7 +405,7 @@ void Recorder::add_input(Frame& f, const at::Tensor& t, int arg, int elem) {
   f.inputs.push_back(a);
 }
 
-void Recorder::externalize_unwritten(Frame& f, OpRecord& rec, const at::RecordFunction& fn, bool writes) {
+void Recorder::externalize_unwritten(Frame& f, OpRecord& rec, c10::ArrayRef<c10::IValue> outputs, bool writes) {
   // A view call (it writes nothing and returns only aliases of storages the tape knows) takes metadata, not bytes:
   // its output is checked when something reads it.
   bool view = !writes;
@@ -348,7 +415,7 @@ void Recorder::externalize_unwritten(Frame& f, OpRecord& rec, const at::RecordFu
     any_output = true;
     if (storage_id_.find(storage_key(t)) == PtrIndexMap::kMissing) view = false;
   };
-  for (const c10::IValue& o : fn.outputs()) {
+  for (const c10::IValue& o : outputs) {
     if (!view) break;
     if (o.isTensor()) {
       visit(o.toTensor());
@@ -408,9 +475,8 @@ void Recorder::note_writes(const OpRecord& rec) {
   }
 }
 
-void Recorder::capture_rng(Frame& f, const at::RecordFunction& fn) {
+void Recorder::capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
   const OpInfo& info = *f.info;
-  const auto inputs = fn.inputs();
   auto arg = [&](int i) -> const c10::IValue* {
     return (i >= 0 && static_cast<size_t>(i) < inputs.size()) ? &inputs[static_cast<size_t>(i)] : nullptr;
   };
@@ -449,24 +515,30 @@ void Recorder::capture_rng(Frame& f, const at::RecordFunction& fn) {
   f.generator = std::move(gen);
 }
 
-void Recorder::enter(const at::RecordFunction& fn) {
-  if (!error_.empty()) {
+void Recorder::enter(const CallView& call) noexcept {
+  try {
     call_stack_.push_back(0);
+  } catch (const std::exception& e) {
+    note_failure(call, e);
     return;
   }
+  if (!error_.empty()) return;
   const OpInfo* info = nullptr;
   try {
     composite_ = false;
-    info = should_record(fn);
+    info = should_record(call);
   } catch (const std::exception& e) {
-    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
-  }
-  if (info == nullptr) {
-    call_stack_.push_back(0);
+    note_failure(call, e);
     return;
   }
-  call_stack_.push_back(1);
-  open_.emplace_back();
+  if (info == nullptr) return;
+  try {
+    open_.emplace_back();
+  } catch (const std::exception& e) {
+    note_failure(call, e);
+    return;
+  }
+  call_stack_.back() = 1;
   Frame& f = open_.back();
   try {
     f.info = info;
@@ -474,7 +546,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
     f.has_tensor_args = has_tensor_args_;
     f.tape_size = tape_.next_op_index();
     busy_ = true;
-    const auto inputs = fn.inputs();
+    const c10::ArrayRef<c10::IValue> inputs = call.inputs;
     f.args.reserve(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       const c10::IValue& v = inputs[i];
@@ -523,7 +595,7 @@ void Recorder::enter(const at::RecordFunction& fn) {
       if (f.composite) {
         f.non_replayable = true;
       } else {
-        capture_rng(f, fn);
+        capture_rng(f, inputs);
       }
     }
     busy_ = false;
@@ -538,12 +610,21 @@ void Recorder::enter(const at::RecordFunction& fn) {
     }
   } catch (const std::exception& e) {
     busy_ = false;
-    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
+    note_failure(call, e);
     f.info = nullptr;
   }
 }
 
-void Recorder::exit(const at::RecordFunction& fn) {
+void Recorder::note_failure(const CallView& call, const std::exception& e) noexcept {
+  if (!error_.empty()) return;
+  try {
+    error_ = std::string("recording ") + call.name + " failed: " + reason_of(e);
+  } catch (...) {
+    error_ = "record failed";  // out of memory building the message: fits the short-string buffer
+  }
+}
+
+void Recorder::exit(const CallView& call, c10::ArrayRef<c10::IValue> outputs) noexcept {
   if (call_stack_.empty()) return;
   const bool tracked = call_stack_.back() != 0;
   call_stack_.pop_back();
@@ -561,13 +642,19 @@ void Recorder::exit(const at::RecordFunction& fn) {
       std::vector<Frame>& open;
       ~PopFrame() { open.pop_back(); }
     } pop{open_};
-    recorded = finish(open_.back(), fn);
+    recorded = finish(open_.back(), call, outputs);
   }
   // Told after the frame is gone, so that op_open() already reflects the enclosing calls.
-  if (recorded >= 0 && listener_ != nullptr) listener_->on_op_recorded(*this, recorded);
+  if (recorded >= 0 && listener_ != nullptr) {
+    try {
+      listener_->on_op_recorded(*this, recorded);
+    } catch (const std::exception& e) {
+      note_failure(call, e);
+    }
+  }
 }
 
-OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
+OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IValue> outputs) {
   if (f.info == nullptr) return -1;
   const int64_t end_ns = options_.time_ops ? common::now_ns() : f.start_ns;
   if (!error_.empty()) return -1;
@@ -578,7 +665,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
   if (f.composite) {
     if (tape_.next_op_index() != f.tape_size) return -1;
     bool fresh_output = false;
-    for (const c10::IValue& o : fn.outputs()) {
+    for (const c10::IValue& o : outputs) {
       if (!o.isTensor() || !o.toTensor().defined()) {
         fresh_output = fresh_output || contains_tensor(o);
         continue;
@@ -607,7 +694,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     const size_t input_writes = rec.writes.size();
     // Note [Bytes no recorded op wrote]: reads of bytes no recorded op wrote become external values (held live,
     // opaque to pack), before the outputs are registered (an in-place op's output is the tensor it read).
-    if (!f.unwritten.empty()) externalize_unwritten(f, rec, fn, input_writes > 0);
+    if (!f.unwritten.empty()) externalize_unwritten(f, rec, outputs, input_writes > 0);
     std::vector<StorageId>& out_storages = scratch_storages_;
     out_storages.clear();
     bool any_new_storage = false;
@@ -648,7 +735,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
       rec.outputs.push_back(v);
       out_storages.push_back(s);
     };
-    for (const c10::IValue& o : fn.outputs()) {
+    for (const c10::IValue& o : outputs) {
       if (o.isTensor()) {
         add_output(o.toTensor());
       } else if (o.isTensorList()) {
@@ -687,7 +774,7 @@ OpIndex Recorder::finish(Frame& f, const at::RecordFunction& fn) {
     return index;
   } catch (const std::exception& e) {
     busy_ = false;
-    error_ = std::string("recording ") + fn.name() + " failed: " + reason_of(e);
+    note_failure(call, e);
   }
   return -1;
 }

@@ -3,6 +3,7 @@
 
 #include "bindings.h"
 #include "tapesac/common/errors.h"
+#include "tapesac/capture/dispatch_hook.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/recorder.h"
 
@@ -30,6 +31,29 @@ void bind_capture(py::module_& m) {
       },
       py::arg("fn"),
       "Runs fn(*args, **kwargs) with the recorder active on this thread and returns the recorded op names.");
+  m.def(
+      "recorder_hook", [] { return std::string(capture::recorder_hook_name(capture::default_recorder_hook())); },
+      "How recorders started from now on see operator calls: 'auto' (the dispatch hook when available), "
+      "'dispatch_key' or 'record_function'.");
+  m.def(
+      "set_recorder_hook",
+      [](const std::string& name) {
+        capture::RecorderHook hook = capture::RecorderHook::kAuto;
+        try {
+          hook = capture::parse_recorder_hook(name);
+        } catch (const std::invalid_argument& e) {
+          TAPESAC_CHECK(false, kConfig, e.what());
+        }
+        TAPESAC_CHECK(hook != capture::RecorderHook::kDefault, kConfig,
+                      "tapesac: set_recorder_hook takes 'auto', 'dispatch_key' or 'record_function', got 'default'");
+        TAPESAC_CHECK(hook != capture::RecorderHook::kDispatchKey || capture::dispatch_hook::available(), kConfig,
+                      "tapesac: the dispatch hook is not available in this process (another library registered a "
+                      "fallback on its dispatch key); use 'record_function' or 'auto'");
+        capture::set_default_recorder_hook(hook);
+      },
+      py::arg("name"), "Sets recorder_hook() (tests and diagnostics).");
+  m.def("dispatch_hook_available", &capture::dispatch_hook::available,
+        "True when the dispatch hook could be registered (Note [Dispatch hook]).");
 }
 
 }  // namespace tapesac::python

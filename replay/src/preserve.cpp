@@ -2,13 +2,16 @@
 #include "tapesac/replay/preserve.h"
 
 #include <cstring>
+#include <functional>
 #include <optional>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include "tapesac/capture/dispatch_hook.h"
 #include "tapesac/capture/op_info.h"
+#include "tapesac/capture/recorder.h"
 #include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/clock.h"
 
@@ -23,9 +26,11 @@ thread_local WriteWatcher* t_watcher = nullptr;
 using common::now_ns;
 
 // Runs tensor code for the watcher itself: below autograd (no graph, no version bumps on new tensors) and unseen by
-// every RecordFunction callback (the recorder must not record it, the watcher must not see itself).
+// every RecordFunction callback and by the dispatch hook (the recorder must not record it, the watcher must not see
+// itself).
 struct QuietScope {
   at::RecordFunctionGuard no_callbacks{false};
+  c10::impl::ExcludeDispatchKeyGuard no_hook{capture::dispatch_hook::kKey};
   c10::AutoGradMode no_grad{false};
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 };
@@ -125,16 +130,25 @@ WriteWatcher::WriteWatcher(PreserveMode mode, std::unordered_map<const void*, Pr
 WriteWatcher::~WriteWatcher() { end(); }
 
 void WriteWatcher::attach() {
-  callback_ = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(&WriteWatcher::on_enter, &WriteWatcher::on_exit).needsInputs(true).scopes(
-          {at::RecordScope::FUNCTION}));
+  // The recorder's choice of hook (RecorderOptions::hook, Note [Dispatch hook]) is the watcher's too.
+  const capture::RecorderHook hook = capture::default_recorder_hook();
+  hooked_ = hook == capture::RecorderHook::kDispatchKey ||
+            (hook == capture::RecorderHook::kAuto && capture::dispatch_hook::available());
+  if (hooked_) {
+    capture::dispatch_hook::attach(this);
+  } else {
+    callback_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&WriteWatcher::on_enter, &WriteWatcher::on_exit).needsInputs(true).scopes(
+            {at::RecordScope::FUNCTION}));
+  }
+  attached_ = true;
   t_watcher = this;
   depth_ = 0;
   paused_ = false;
 }
 
 void WriteWatcher::install() {
-  if (callback_ != 0 || mode_ == PreserveMode::kOff) return;
+  if (attached_ || mode_ == PreserveMode::kOff) return;
   if (t_watcher != nullptr) return;  // another session's step watches this thread: replays it cannot cover reject
   owner_ = std::this_thread::get_id();
   attach();
@@ -142,27 +156,33 @@ void WriteWatcher::install() {
 
 void WriteWatcher::resume() {
   if (!paused_ || std::this_thread::get_id() != owner_) return;
-  if (callback_ != 0) {
+  if (attached_) {
     paused_ = false;  // paused from another thread: the callback is still attached
   } else if (t_watcher == nullptr) {
     attach();
   }
 }
 
-void WriteWatcher::pause() noexcept {
-  paused_ = true;
-  if (callback_ != 0 && std::this_thread::get_id() == owner_) {
+void WriteWatcher::detach() noexcept {
+  if (hooked_) {
+    capture::dispatch_hook::detach(this);
+  } else {
     at::removeCallback(callback_);
     callback_ = 0;
+  }
+  attached_ = false;
+}
+
+void WriteWatcher::pause() noexcept {
+  paused_ = true;
+  if (attached_ && std::this_thread::get_id() == owner_) {
+    detach();
     if (t_watcher == this) t_watcher = nullptr;
   }
 }
 
 void WriteWatcher::end() noexcept {
-  if (callback_ != 0) {
-    at::removeCallback(callback_);
-    callback_ = 0;
-  }
+  if (attached_) detach();
   if (t_watcher == this) t_watcher = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   entries_.clear();
@@ -170,19 +190,34 @@ void WriteWatcher::end() noexcept {
 
 std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunction& fn) {
   WriteWatcher* w = t_watcher;
-  if (w == nullptr || w->paused_.load(std::memory_order_relaxed)) return nullptr;
+  if (w == nullptr || w->hooked_ || w->paused_.load(std::memory_order_relaxed)) return nullptr;
   // Named regions that are not operator calls are transparent: autograd wraps every node of the backward in one
   // ("autograd::engine::evaluate_function: ..."), and a write from a tensor hook runs inside it.
   if (!w->operator_call(fn)) return nullptr;
   // Only calls made from user code (depth 0) write "for real": the children of an in-place op are its kernel.
-  if (w->depth_ == 0 && !w->busy_) w->see(fn);
+  if (w->depth_ == 0 && !w->busy_) w->see(fn.name(), fn.inputs(), [&fn] { return fn.operator_name(); });
   ++w->depth_;
   return nullptr;
 }
 
+bool WriteWatcher::on_call_enter(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, int depth) noexcept {
+  // Only calls made from user code (depth 0) write "for real" (see on_enter). The hook runs this with itself
+  // excluded, so what see() dispatches is not seen again.
+  if (depth != 0 || busy_ || paused_.load(std::memory_order_relaxed)) return false;
+  try {
+    see(op.schema().name().c_str(), args, [&op] { return std::optional<c10::OperatorName>(op.operator_name()); });
+  } catch (const std::exception&) {
+    // see() marks the entry it failed on as broken (its replays refuse); anything else failed before a write was
+    // attributed to a watched storage.
+  }
+  return false;
+}
+
+void WriteWatcher::on_call_exit(const c10::OperatorHandle& /*op*/, c10::ArrayRef<c10::IValue> /*returns*/) noexcept {}
+
 void WriteWatcher::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   WriteWatcher* w = t_watcher;
-  if (w == nullptr || !w->operator_call(fn)) return;  // not counted on entry
+  if (w == nullptr || w->hooked_ || !w->operator_call(fn)) return;  // not counted on entry
   if (w->depth_ > 0) --w->depth_;
 }
 
@@ -199,27 +234,26 @@ bool WriteWatcher::operator_call(const at::RecordFunction& fn) {
   return true;
 }
 
-void WriteWatcher::see(const at::RecordFunction& fn) {
+void WriteWatcher::see(const char* name, c10::ArrayRef<c10::IValue> inputs,
+                       const std::function<std::optional<c10::OperatorName>()>& operator_name) {
   std::lock_guard<std::mutex> lock(mu_);
   if (entries_.empty()) return;
-  const char* name = fn.name();
   auto it = writes_by_name_.find(name);
   if (it == writes_by_name_.end()) {
     std::vector<bool> writes;
-    if (auto op = fn.operator_name(); op.has_value()) {
+    if (auto op = operator_name(); op.has_value()) {
       if (const capture::OpInfo* info = capture::op_info(*op)) writes = info->writes_arg;
     }
     it = writes_by_name_.emplace(name, std::move(writes)).first;
   }
   const std::vector<bool>& writes = it->second;
   if (writes.empty()) return;
-  const auto inputs = fn.inputs();
   for (size_t a = 0; a < writes.size() && a < inputs.size(); ++a) {
     if (!writes[a]) continue;
     auto visit = [&](const at::Tensor& t) {
       if (!t.defined() || !t.has_storage()) return;
       auto e = entries_.find(capture::storage_key(t));
-      if (e != entries_.end()) save(*e->second, name, fn, a, t);
+      if (e != entries_.end()) save(*e->second, name, inputs, a, t);
     };
     const c10::IValue& v = inputs[a];
     if (v.isTensor()) {
@@ -230,7 +264,7 @@ void WriteWatcher::see(const at::RecordFunction& fn) {
   }
 }
 
-void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg,
+void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IValue> inputs, size_t arg,
                         const at::Tensor& target) {
   // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
   // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
@@ -262,7 +296,6 @@ void WriteWatcher::save(Entry& e, const std::string& op, const at::RecordFunctio
         e.snapshots.emplace_back(e.count, std::move(bytes));
       }
     } else if (!e.broken) {
-      const auto inputs = fn.inputs();
       Write w;
       w.kind = region_kind(op.c_str(), arg);
       w.offset = target.storage_offset();

@@ -77,6 +77,17 @@ def tapesac():
     return mod
 
 
+@pytest.fixture(params=["dispatch_key", "record_function"])
+def recorder_hook(request):
+    """Runs the test once per way the recorder sees operator calls (Note [Dispatch hook]); restores the default."""
+    import tapesac as mod
+
+    was = mod._C.recorder_hook()
+    mod._C.set_recorder_hook(request.param)
+    yield request.param
+    mod._C.set_recorder_hook(was)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-tensor tests (`pytestmark = pytest.mark.usefixtures("one_thread")`):

@@ -34,7 +34,9 @@ Program.warmup_steps), so that the schedules are planned and the graphs captured
 
 Issue 20's decision reuse (Note [Decisions reused]), from a fourth RNG: a program may run one warm-up step (undone)
 before the compared one, on the same input (the compared step reuses the warm-up's keep/drop decisions) or on the
-same values laid out with other strides (the first block's tape differs, so it is decided afresh).
+same values laid out with other strides (the first block's tape differs, so it is decided afresh). From a fifth, a
+quarter of the programs record through at::RecordFunction instead of the dispatch hook (Program.hook, Note [Dispatch
+hook]): both must stay exact.
 
 Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
 print it: `print(R.Program.generate(SEED))`.
@@ -318,6 +320,7 @@ DATA_WRITE_POINTS = ("forward", "backward", "between")
 STEP_SHAPES = ("backward", "retain_twice", "two_losses", "autograd_grad", "grad_then_backward")
 SCHEDULES = ("one_segment", "planned", "hold_all", "lazy")  # Config.schedule
 WARMUPS = ("none", "same", "strided")  # Program.warmup (issue 20)
+HOOKS = ("dispatch_key", "record_function")  # Program.hook (issue 20: Note [Dispatch hook])
 BACKENDS = ("eager", "emulated_graph")
 TWO_PASS_SHAPES = ("retain_twice", "two_losses", "grad_then_backward")
 
@@ -355,6 +358,7 @@ class Program:
     schedule: str = "one_segment"  # SCHEDULES: TapeSAC(schedule=...)
     backend: str = "eager"  # BACKENDS: TapeSAC(backend=...)
     warmup: str = "none"  # WARMUPS: a warm-up step before the compared one (issue 20, Note [Decisions reused])
+    hook: str = "dispatch_key"  # HOOKS: how the recorder sees operator calls (Note [Dispatch hook])
 
     @staticmethod
     def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
@@ -427,7 +431,9 @@ class Program:
         warm-up's keep/drop decisions) or on the input laid out with other strides (the first block's tape differs:
         decided afresh)."""
         rng = random.Random(f"issue20-{self.seed}")
-        return dataclasses.replace(self, warmup=rng.choices(WARMUPS, [5, 3, 2])[0])
+        warmup = rng.choices(WARMUPS, [5, 3, 2])[0]
+        hook = "record_function" if random.Random(f"issue20-hook-{self.seed}").random() < 0.25 else "dispatch_key"
+        return dataclasses.replace(self, warmup=warmup, hook=hook)
 
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
@@ -452,7 +458,8 @@ class Program:
         lines = [f"Program(seed={self.seed}, shape[B,T,D]={list(self.shape)}, stem={self.stem}, "
                  f"input_grad={self.input_grad}, contract={self.contract!r}, repeat_first={self.repeat_first}, "
                  f"tuple_out={self.tuple_out}, autocast={self.autocast}, step={self.step!r}, "
-                 f"schedule={self.schedule!r}, backend={self.backend!r}, warmup={self.warmup!r})"]
+                 f"schedule={self.schedule!r}, backend={self.backend!r}, warmup={self.warmup!r}, "
+                 f"hook={self.hook!r})"]
         for i, blk in enumerate(self.blocks):
             lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
         for w in self.data_writes:
@@ -866,6 +873,8 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
     import tapesac
 
     initial = copy.deepcopy(model.state_dict()) if program.warmup_steps() else None
+    hook_was = tapesac._C.recorder_hook()
+    tapesac._C.set_recorder_hook(program.hook)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sac = tapesac.TapeSAC(model, blocks=model.blocks, policy=policy, contract=program.contract,
@@ -883,6 +892,7 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
             loss, x, stats = _compared_step(model, program, sac)
         finally:
             sac.close()
+            tapesac._C.set_recorder_hook(hook_was)
     return _run_result(model, loss, x, stats, caught)
 
 

@@ -78,21 +78,37 @@ def test_block_inside_torch_checkpoint_is_warned(tapesac, caplog, reentrant: boo
     sac.close()
 
 
-def test_whole_model_compiled_before_the_first_step_is_warned(tapesac, caplog) -> None:
+def test_whole_model_compiled_before_the_first_step(tapesac, caplog, recorder_hook: str) -> None:
+    """torch.compile(model) compiled and run before tapesac. Through at::RecordFunction the compiled code runs as it
+    was compiled, without the blocks' hooks added later: no block call is recorded, and the step says so. Through
+    the dispatch hook, dynamo's guard on the thread's dispatch key set (the hook's key is included during the step)
+    makes it trace again inside the first step, with graph breaks at the blocks' hooks: the blocks are recorded and
+    replayed, and the gradients are exact."""
     model = stack()
+    ref = copy.deepcopy(model)
+    x = x_in()
     compiled = torch.compile(model, backend="eager")
-    compiled(x_in()).sum().backward()  # compiled (and run) before tapesac: its code ignores hooks added later
-    model.zero_grad(set_to_none=True)
+    compiled(x).sum().backward()  # compiled (and run) before tapesac
     sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
-    with caplog.at_level("WARNING", logger="tapesac"):
-        for _ in range(2):
-            with sac.step():
-                compiled(x_in()).sum().backward()
-    assert sac.last_step.block_calls == 0
-    found = _warnings(caplog, "recorded no block call")
-    assert len(found) == 1 and "torch.compile(model)" in found[0], caplog.text
-    sac.close()
-    torch._dynamo.reset()
+    try:
+        with caplog.at_level("WARNING", logger="tapesac"):
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                with sac.step():
+                    compiled(x).sum().backward()
+        found = _warnings(caplog, "recorded no block call")
+        if recorder_hook == "record_function":
+            assert sac.last_step.block_calls == 0
+            assert len(found) == 1 and "torch.compile(model)" in found[0], caplog.text
+        else:
+            assert sac.last_step.block_calls == 2 and sac.last_step.ops_replayed > 0, sac.last_step
+            assert not found, caplog.text
+            ref(x).sum().backward()
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                assert torch.equal(p.grad, q.grad), name
+    finally:
+        sac.close()
+        torch._dynamo.reset()
 
 
 def test_model_compiled_in_place_is_warned_at_construction(tapesac, caplog) -> None:

@@ -13,7 +13,8 @@ mode itself changes what runs. Two such artifacts, handled here:
    kernel adds the mask out of place (`add.Tensor`) instead of in place (`add_.Tensor`). The comparison maps
    `_reshape_alias` to `view` always, and `add_.Tensor` to `add.Tensor` only for blocks that run the math SDPA
    path (SDPA with dropout on CPU).
-Both runs use the same seed and the same grad mode (inputs require grad), so they execute the same ops.
+Both runs use the same seed and the same grad mode (inputs require grad), so they execute the same ops. Each test runs
+once per recorder hook (the `recorder_hook` fixture: the dispatch hook and at::RecordFunction, Note [Dispatch hook]).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ TOY_BLOCKS: dict[str, Callable[[], nn.Module]] = {
 
 
 @pytest.mark.parametrize("name", list(TOY_BLOCKS))
-def test_record_ops_matches_dispatch_mode_on_toy_blocks(name: str) -> None:
+def test_record_ops_matches_dispatch_mode_on_toy_blocks(name: str, recorder_hook: str) -> None:
     torch.manual_seed(0)
     block = TOY_BLOCKS[name]().train()
     got = _check(block, _x(), name,
@@ -134,7 +135,7 @@ def test_record_ops_matches_dispatch_mode_on_toy_blocks(name: str) -> None:
         assert "aten::rand_like" in got, f"a random op is missing from the tape: {got}"
 
 
-def test_record_ops_kwargs_and_non_tensor_args() -> None:
+def test_record_ops_kwargs_and_non_tensor_args(recorder_hook: str) -> None:
     torch.manual_seed(0)
     block = M.KwargsBlock()
 
@@ -147,7 +148,7 @@ def test_record_ops_kwargs_and_non_tensor_args() -> None:
     assert "aten::tanh" in got and "aten::gelu" not in got, f"flag=False must select tanh: {got}"
 
 
-def test_record_ops_under_no_grad_and_on_a_plain_function() -> None:
+def test_record_ops_under_no_grad_and_on_a_plain_function(recorder_hook: str) -> None:
     """Same grad mode for both: under no_grad the reference sees no detach artifacts and the recorder sees
     the same ops; record_ops also takes a plain function."""
 
@@ -162,7 +163,7 @@ def test_record_ops_under_no_grad_and_on_a_plain_function() -> None:
     assert got == ["aten::mm", "aten::tanh", "aten::topk"], got
 
 
-def test_record_ops_sees_factory_functions_called_from_python() -> None:
+def test_record_ops_sees_factory_functions_called_from_python(recorder_hook: str) -> None:
     """torch.ones / zeros_like / rand_like called from Python run their ATen op at autograd level (the Python
     binding wraps it in AutoDispatchBelowADInplaceOrView, see torch/csrc/autograd/generated/variable_factories.h),
     and their outputs feed saved tensors: they belong on the tape, and the ops inside their kernels do not."""
@@ -206,7 +207,7 @@ def _hf_layer_case(family: str, padded: bool, experts: str | None = None):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "padding_mask"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_record_ops_matches_dispatch_mode_on_hf_decoder_layer(family: str, padded: bool) -> None:
+def test_record_ops_matches_dispatch_mode_on_hf_decoder_layer(family: str, padded: bool, recorder_hook: str) -> None:
     layer, make = _hf_layer_case(family, padded)
     (hidden,), kwargs = make()
     assert (kwargs["attention_mask"] is not None) == padded, "create_causal_mask changed behaviour; fix the test"
@@ -215,7 +216,7 @@ def test_record_ops_matches_dispatch_mode_on_hf_decoder_layer(family: str, padde
     assert any("scaled_dot_product" in o or o == "aten::bmm" for o in got), got
 
 
-def test_record_ops_matches_dispatch_mode_on_moe_layer_with_eager_experts() -> None:
+def test_record_ops_matches_dispatch_mode_on_moe_layer_with_eager_experts(recorder_hook: str) -> None:
     """Data-dependent ops (nonzero, where, index_add_) and a no_grad routing region."""
     layer, make = _hf_layer_case("qwen3_moe", False, experts="eager")
     got = _check(layer, make, "qwen3_moe decoder layer (eager experts)", min_ops=20)

@@ -1,7 +1,9 @@
 // The recorder: while active on a thread, every operator that thread runs *at the level autograd sees it*
 // (CompositeImplicitAutograd ops decomposed, ops nested inside kernels skipped) is appended to a Tape, with its
 // boxed arguments, alias and mutation effects, the generator state of random ops and its measured duration. It
-// runs in C++ through a thread-local at::RecordFunction callback; no Python runs per op.
+// runs in C++ through the dispatch hook (dispatch_hook.h, Note [Dispatch hook]), or, where that is not available or
+// not chosen (RecorderOptions::hook), a thread-local at::RecordFunction callback; no Python runs per op. Both see the
+// same calls and build the same tape.
 //
 // Identity without keeping memory alive: the recorder maps TensorImpl and StorageImpl addresses to tape ids and
 // holds *weak* references to both, so an address cannot be reused while the block records, yet a freed tensor's
@@ -24,6 +26,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include "tapesac/capture/byte_cover.h"
+#include "tapesac/capture/dispatch_hook.h"
 #include "tapesac/capture/op_info.h"
 #include "tapesac/capture/op_payload.h"
 #include "tapesac/capture/op_timer.h"
@@ -41,6 +44,23 @@ class RecorderListener {
   virtual void on_op_recorded(Recorder& recorder, OpIndex op) = 0;
 };
 
+/// How the recorder sees operator calls (Note [Dispatch hook]).
+enum class RecorderHook : uint8_t {
+  kDefault,         ///< the process-wide choice (default_recorder_hook())
+  kAuto,            ///< the dispatch hook when available, else at::RecordFunction
+  kDispatchKey,     ///< the dispatch hook; start() throws when it is not available
+  kRecordFunction,  ///< a thread-local at::RecordFunction callback with inputs and outputs
+};
+
+/// "default", "auto", "dispatch_key" or "record_function".
+const char* recorder_hook_name(RecorderHook hook);
+/// Parses recorder_hook_name()'s names; throws std::invalid_argument naming the accepted ones.
+RecorderHook parse_recorder_hook(const std::string& name);
+/// The process-wide choice RecorderHook::kDefault stands for (initially kAuto). Thread-safe.
+RecorderHook default_recorder_hook();
+/// Sets it (kDefault is refused with std::invalid_argument). Thread-safe; recorders already started keep theirs.
+void set_default_recorder_hook(RecorderHook hook);
+
 struct RecorderOptions {
   /// Snapshot generator state for random ops (needed for exact replay of dropout and friends).
   bool record_rng = true;
@@ -49,22 +69,28 @@ struct RecorderOptions {
   /// Expected number of ops (e.g. from the same block's previous step): tables are pre-sized so that recording
   /// does not reallocate them while the block runs.
   size_t expected_ops = 64;
+  /// How operator calls are seen.
+  RecorderHook hook = RecorderHook::kDefault;
 };
 
 /// Records one block call. Create, start() on the thread that runs the block, stop() on the same thread. Only one
 /// recorder can be active per thread. Not thread-safe; the tape is read-only after stop().
-class Recorder {
+class Recorder : private CallObserver {
  public:
   explicit Recorder(RecorderOptions options = {});
   ~Recorder();
   Recorder(const Recorder&) = delete;
   Recorder& operator=(const Recorder&) = delete;
 
-  /// Installs the thread-local callback. Throws std::runtime_error when a recorder is already active on this thread.
+  /// Attaches to the dispatch hook or installs the thread-local callback (RecorderOptions::hook). Throws
+  /// std::runtime_error when a recorder is already active on this thread, std::logic_error when the hook asked for
+  /// is not available.
   void start();
   /// Removes the callback and drops identity maps (weak references). Idempotent; never throws.
   void stop() noexcept;
   bool active() const { return active_; }
+  /// The hook in use while active (kDispatchKey or kRecordFunction), else the one the options ask for.
+  RecorderHook hook() const { return active_ ? hook_ : options_.hook; }
 
   /// The recorder active on the calling thread, or nullptr.
   static Recorder* current();
@@ -115,13 +141,26 @@ class Recorder {
     int64_t start_ns = 0;    // common::now_ns() at entry when options_.time_ops
   };
 
+  /// One operator call as either hook sees it.
+  struct CallView {
+    const char* name = nullptr;           // the schema's name: one address per operator
+    c10::ArrayRef<c10::IValue> inputs;    // at entry only
+    const at::RecordFunction* fn = nullptr;
+    const c10::OperatorHandle* op = nullptr;
+    std::optional<c10::OperatorName> operator_name() const;
+  };
+
   static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);
   static void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx);
-  void enter(const at::RecordFunction& fn);
-  void exit(const at::RecordFunction& fn);
+  bool on_call_enter(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, int depth) noexcept override;
+  void on_call_exit(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> returns) noexcept override;
+  void enter(const CallView& call) noexcept;
+  void exit(const CallView& call, c10::ArrayRef<c10::IValue> outputs) noexcept;
+  /// Keeps the first failure as error_ (recording then stops).
+  void note_failure(const CallView& call, const std::exception& e) noexcept;
   /// Appends the op of a finished tracked call to the tape; its index, or -1 when it is not recorded.
-  OpIndex finish(Frame& f, const at::RecordFunction& fn);
-  const OpInfo* should_record(const at::RecordFunction& fn);
+  OpIndex finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IValue> outputs);
+  const OpInfo* should_record(const CallView& call);
 
   StorageId storage_of(const at::Tensor& t, bool create_external);
   /// find_value without the opaque filter.
@@ -135,12 +174,12 @@ class Recorder {
   /// OpInfo::fill.
   bool deterministic_fill(const OpInfo& info, const OpRecord& rec) const;
   /// At the op's exit: unless the call is a view, each input in f.unwritten becomes an external value (opaque).
-  void externalize_unwritten(Frame& f, OpRecord& rec, const at::RecordFunction& fn, bool writes);
+  void externalize_unwritten(Frame& f, OpRecord& rec, c10::ArrayRef<c10::IValue> outputs, bool writes);
   ValueId value_for_input(const at::Tensor& t);
   ValueId add_external(const at::Tensor& t, StorageId s);
   void add_input(Frame& f, const at::Tensor& t, int arg, int elem);
   void link_value(ValueId v, StorageId s);
-  void capture_rng(Frame& f, const at::RecordFunction& fn);
+  void capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs);
   /// The op timer threw or gave unusable figures: cancel it, keep the CPU clock, remember why.
   void drop_timer(const std::string& why) noexcept;
   /// Recording stops: the timer's figures replace the tape's durations (or the timer is dropped).
@@ -148,6 +187,7 @@ class Recorder {
 
   RecorderOptions options_;
   bool active_ = false;
+  RecorderHook hook_ = RecorderHook::kRecordFunction;  // while active: the one in use
   at::CallbackHandle callback_ = 0;
   RecorderListener* listener_ = nullptr;
 

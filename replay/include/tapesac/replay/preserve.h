@@ -34,11 +34,12 @@
 
 #include <atomic>
 #include <cstdint>
-#include <thread>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -46,6 +47,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
+
+#include "tapesac/capture/dispatch_hook.h"
 
 namespace tapesac::replay {
 
@@ -77,7 +80,7 @@ struct PreservedStorage {
   std::vector<std::pair<int64_t, int64_t>> saves;
 };
 
-class WriteWatcher {
+class WriteWatcher : private capture::CallObserver {
  public:
   struct Write;
   /// `overrides`: the mode of particular storages (kRegions or kSnapshots), e.g. as the planner chose them.
@@ -87,7 +90,8 @@ class WriteWatcher {
   WriteWatcher& operator=(const WriteWatcher&) = delete;
 
   PreserveMode mode() const { return mode_; }
-  /// Starts seeing writes on this thread (a thread-local RecordFunction callback). Idempotent.
+  /// Starts seeing writes on this thread (through the dispatch hook, or a thread-local RecordFunction callback where
+  /// the recorder uses one: capture::default_recorder_hook()). Idempotent.
   void install();
   /// Stops seeing writes but keeps what was saved (called when the backward starts: seeing writes costs a boxed
   /// copy of every op's arguments, and the backward's own ops write no watched tensor). Later writes are caught by
@@ -139,13 +143,19 @@ class WriteWatcher {
   struct Entry;
   static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);
   static void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx);
+  bool on_call_enter(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, int depth) noexcept override;
+  void on_call_exit(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> returns) noexcept override;
+  /// Removes the hook or the callback (owner thread).
+  void detach() noexcept;
   static at::Tensor take(const Write& w, const at::Tensor& region);
   static void put(const Write& w, at::Tensor& region, const at::Tensor& values);
   void attach();
-  void see(const at::RecordFunction& fn);
+  /// A call from user code: saves what it is about to write on watched storages.
+  void see(const char* name, c10::ArrayRef<c10::IValue> inputs,
+           const std::function<std::optional<c10::OperatorName>()>& operator_name);
   /// True for an operator call, false for a named region (Note [Operator calls by name]). Owner thread only.
   bool operator_call(const at::RecordFunction& fn);
-  void save(Entry& e, const std::string& op, const at::RecordFunction& fn, size_t arg, const at::Tensor& target);
+  void save(Entry& e, const std::string& op, c10::ArrayRef<c10::IValue> inputs, size_t arg, const at::Tensor& target);
 
   PreserveMode mode_;
   std::unordered_map<const void*, PreserveMode> overrides_;
@@ -155,6 +165,8 @@ class WriteWatcher {
   std::unordered_map<const char*, std::vector<bool>> writes_by_name_;
   std::unordered_set<const char*> operator_names_;  // see operator_call()
   at::CallbackHandle callback_ = 0;
+  bool attached_ = false;  // the hook or the callback is in place on the owner thread
+  bool hooked_ = false;    // through the dispatch hook (else callback_)
   std::thread::id owner_;
   std::atomic<bool> paused_{false};
   int depth_ = 0;

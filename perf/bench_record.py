@@ -29,6 +29,8 @@
 # - `--json PATH` writes all numbers with the environment (tapesac.bench.harness.environment: provenance, torch,
 #   CPU model, threads, date);
 #   `--smoke` runs few rounds (< 20 s). Exit status 1 when a variant fails validation.
+# - `--recorder-hook`: the recorder's hook for every variant (auto / dispatch_key / record_function), to compare the
+#   two hooks on one build.
 # - `--instructions`: instead of time, instructions per forward counted by valgrind's callgrind (deterministic on a
 #   shared machine). One child process per workload runs under `valgrind --tool=callgrind --instr-atstart=no`;
 #   it switches instrumentation on around `--forwards` forwards of each variant and dumps the counts after each,
@@ -450,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instructions", action="store_true",
                    help="count instructions per forward under valgrind's callgrind instead of timing")
     p.add_argument("--forwards", type=int, default=10, help="--instructions: forwards per variant (default 10)")
+    p.add_argument("--recorder-hook", default="auto", choices=["auto", "dispatch_key", "record_function"],
+                   help="how the recorder sees operator calls (Note [Dispatch hook]; default auto: the dispatch hook)")
     p.add_argument("--instructions-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     raw_argv = list(sys.argv[1:] if argv is None else argv)
@@ -461,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.warmup, args.min_sample_ms = min(args.rounds, 5), min(args.warmup, 1), min(args.min_sample_ms, 3.0)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    tapesac._C.set_recorder_hook(args.recorder_hook)
     if args.instructions_child:
         return instructions_child(args)
 

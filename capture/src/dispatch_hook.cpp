@@ -2,6 +2,7 @@
 #include "tapesac/capture/dispatch_hook.h"
 
 #include <array>
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -93,7 +94,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
 
 struct Registration {
   std::mutex mu;
-  std::optional<bool> available;
+  std::atomic<int> available{-1};  // -1: not tried yet; 0: refused; 1: registered
   std::optional<c10::RegistrationHandleRAII> handle;  // held for the process: never deregistered
 };
 
@@ -106,21 +107,23 @@ Registration& registration() {
 
 bool available() {
   Registration& r = registration();
+  const int known = r.available.load(std::memory_order_acquire);
+  if (known >= 0) return known == 1;
   std::lock_guard<std::mutex> lock(r.mu);
-  if (r.available.has_value()) return *r.available;
+  if (r.available.load(std::memory_order_relaxed) >= 0) return r.available.load(std::memory_order_relaxed) == 1;
   c10::Dispatcher& d = c10::Dispatcher::singleton();
-  if (d.hasBackendFallbackForDispatchKey(kKey)) {
-    r.available = false;
-    return false;
+  bool ok = false;
+  if (!d.hasBackendFallbackForDispatchKey(kKey)) {
+    try {
+      r.handle.emplace(d.registerFallback(kKey, c10::KernelFunction::makeFromBoxedFunction<&fallback>(),
+                                          "tapesac dispatch hook (capture/src/dispatch_hook.cpp)"));
+      ok = true;
+    } catch (const std::exception&) {
+      ok = false;  // registered by someone else meanwhile: at::RecordFunction it is
+    }
   }
-  try {
-    r.handle.emplace(d.registerFallback(kKey, c10::KernelFunction::makeFromBoxedFunction<&fallback>(),
-                                        "tapesac dispatch hook (capture/src/dispatch_hook.cpp)"));
-    r.available = true;
-  } catch (const std::exception&) {
-    r.available = false;
-  }
-  return *r.available;
+  r.available.store(ok ? 1 : 0, std::memory_order_release);
+  return ok;
 }
 
 void attach(CallObserver* observer) {

@@ -106,7 +106,9 @@ _STEP_EXTRA: dict[str, tuple[type, Any, str]] = {
     "graph_fallback_reasons": (dict, None, "graph backend: block calls by the reason of their last eager fallback"),
     "op_timing": (str, "", "the blocks' op-time sources (BlockStats.op_timing), comma-separated when they differ"),
     "over_limit": (bool, False, "the step's measured peak exceeded memory_limit, by over_limit_bytes (warned once "
-                                "through the 'tapesac' logger; the next step tightens)"),
+                                "through the 'tapesac' logger; under a planner — policy 'auto', or planned "
+                                "schedules — the next step tightens; one-segment schedules and policy 'none' do not "
+                                "replan)"),
 }
 
 

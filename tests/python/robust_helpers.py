@@ -70,7 +70,8 @@ def assert_no_tapesac_hooks(model: nn.Module, when: str) -> None:
 
 
 def assert_no_saved_tensor_hooks(when: str = "") -> None:
-    """No saved-tensor hooks are installed, and autograd saves real tensors again."""
+    """No saved-tensor hooks are installed, autograd saves real tensors again, and no recorder or write watcher is
+    attached to the dispatch hook on this thread."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     assert top is None, f"{when}: a saved-tensor hook pair is still installed outside the step: {top}"
     x = torch.randn(3, requires_grad=True)
@@ -79,6 +80,10 @@ def assert_no_saved_tensor_hooks(when: str = "") -> None:
     assert isinstance(saved, torch.Tensor) and torch.equal(saved, y.detach()), (
         f"{when}: autograd's saved result is {type(saved).__name__}, not the tensor itself")
     assert torch.is_grad_enabled(), f"{when}: grad mode was left disabled"
+    # The dispatch hook's key (Note [Dispatch hook]; torch's Python enum does not name it, its key set's repr does).
+    assert "TESTING_ONLY_GenericMode" not in str(torch._C._dispatch_tls_local_include_set()), (
+        f"{when}: the dispatch hook's key is still in this thread's dispatch key set (a recorder or write watcher "
+        f"left attached)")
 
 
 def assert_no_thread_step(when: str = "") -> None:

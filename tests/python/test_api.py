@@ -45,6 +45,8 @@ def assert_no_saved_tensor_hooks() -> None:
     y = x.exp()
     assert isinstance(y.grad_fn._saved_result, torch.Tensor)
     assert torch.equal(y.grad_fn._saved_result, y.detach())
+    # No recorder or write watcher left attached to the dispatch hook (Note [Dispatch hook]).
+    assert "TESTING_ONLY_GenericMode" not in str(torch._C._dispatch_tls_local_include_set())
 
 
 def assert_clean_step_works(tapesac, model_factory=stack, policy="full") -> None:

@@ -80,6 +80,14 @@ RecorderHook parse_recorder_hook(const std::string& name) {
 
 RecorderHook default_recorder_hook() { return g_default_hook.load(std::memory_order_relaxed); }
 
+RecorderHook resolve_recorder_hook(RecorderHook hook) {
+  if (hook == RecorderHook::kDefault) hook = default_recorder_hook();
+  if (hook == RecorderHook::kAuto) {
+    hook = dispatch_hook::available() ? RecorderHook::kDispatchKey : RecorderHook::kRecordFunction;
+  }
+  return hook;
+}
+
 void set_default_recorder_hook(RecorderHook hook) {
   if (hook == RecorderHook::kDefault) {
     throw std::invalid_argument(
@@ -128,10 +136,7 @@ void Recorder::start() {
   storage_refs_.reserve(2 * n);
   last_value_of_storage_.reserve(2 * n);
   prev_value_same_storage_.reserve(3 * n);
-  RecorderHook hook = options_.hook == RecorderHook::kDefault ? default_recorder_hook() : options_.hook;
-  if (hook == RecorderHook::kAuto) {
-    hook = dispatch_hook::available() ? RecorderHook::kDispatchKey : RecorderHook::kRecordFunction;
-  }
+  const RecorderHook hook = resolve_recorder_hook(options_.hook);
   if (hook == RecorderHook::kDispatchKey) {
     dispatch_hook::attach(this);  // throws std::logic_error when the hook is not available
   } else {
@@ -227,14 +232,55 @@ std::optional<c10::OperatorName> Recorder::CallView::operator_name() const {
 
 std::unique_ptr<at::ObserverContext> Recorder::on_enter(const at::RecordFunction& fn) {
   Recorder* r = t_current;
-  if (r != nullptr && r->hook_ == RecorderHook::kRecordFunction) r->enter(CallView{fn.name(), fn.inputs(), &fn, nullptr});
+  if (r != nullptr) r->enter(CallView{fn.name(), fn.inputs(), &fn, nullptr});
   return nullptr;
 }
 
 void Recorder::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   Recorder* r = t_current;
-  if (r != nullptr && r->hook_ == RecorderHook::kRecordFunction) {
-    r->exit(CallView{fn.name(), {}, &fn, nullptr}, fn.outputs());
+  if (r != nullptr) r->exit(CallView{fn.name(), {}, &fn, nullptr}, fn.outputs());
+}
+
+void Recorder::read_arguments(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
+  f.args.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const c10::IValue& v = inputs[i];
+    const int arg = static_cast<int>(i);
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (t.defined()) {
+        add_input(f, t, arg, -1);
+        f.args.emplace_back();
+      } else {
+        f.args.push_back(v);
+      }
+    } else if (v.isTensorList()) {
+      const auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) add_input(f, list.get(j), arg, static_cast<int>(j));
+      f.args.emplace_back(c10::List<at::Tensor>());
+    } else if (v.isList() && contains_tensor(v)) {
+      const auto list = v.toList();
+      c10::impl::GenericList copy(list.elementType());
+      copy.reserve(list.size());
+      for (size_t j = 0; j < list.size(); ++j) {
+        const c10::IValue e = list.get(j);
+        if (e.isTensor() && e.toTensor().defined()) {
+          add_input(f, e.toTensor(), arg, static_cast<int>(j));
+          copy.push_back(c10::IValue());
+        } else if (contains_tensor(e)) {
+          f.non_replayable = true;
+          copy.push_back(c10::IValue());
+        } else {
+          copy.push_back(e);
+        }
+      }
+      f.args.emplace_back(std::move(copy));
+    } else if (contains_tensor(v)) {
+      f.non_replayable = true;  // tensors inside tuples or dicts: not tracked, so not replayable
+      f.args.emplace_back();
+    } else {
+      f.args.push_back(v);
+    }
   }
 }
 
@@ -547,46 +593,7 @@ void Recorder::enter(const CallView& call) noexcept {
     f.tape_size = tape_.next_op_index();
     busy_ = true;
     const c10::ArrayRef<c10::IValue> inputs = call.inputs;
-    f.args.reserve(inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const c10::IValue& v = inputs[i];
-      const int arg = static_cast<int>(i);
-      if (v.isTensor()) {
-        const at::Tensor& t = v.toTensor();
-        if (t.defined()) {
-          add_input(f, t, arg, -1);
-          f.args.emplace_back();
-        } else {
-          f.args.push_back(v);
-        }
-      } else if (v.isTensorList()) {
-        const auto list = v.toTensorList();
-        for (size_t j = 0; j < list.size(); ++j) add_input(f, list.get(j), arg, static_cast<int>(j));
-        f.args.emplace_back(c10::List<at::Tensor>());
-      } else if (v.isList() && contains_tensor(v)) {
-        const auto list = v.toList();
-        c10::impl::GenericList copy(list.elementType());
-        copy.reserve(list.size());
-        for (size_t j = 0; j < list.size(); ++j) {
-          const c10::IValue e = list.get(j);
-          if (e.isTensor() && e.toTensor().defined()) {
-            add_input(f, e.toTensor(), arg, static_cast<int>(j));
-            copy.push_back(c10::IValue());
-          } else if (contains_tensor(e)) {
-            f.non_replayable = true;
-            copy.push_back(c10::IValue());
-          } else {
-            copy.push_back(e);
-          }
-        }
-        f.args.emplace_back(std::move(copy));
-      } else if (contains_tensor(v)) {
-        f.non_replayable = true;  // tensors inside tuples or dicts: not tracked, so not replayable
-        f.args.emplace_back();
-      } else {
-        f.args.push_back(v);
-      }
-    }
+    read_arguments(f, inputs);
     // See OpInfo::grad_mode_kernel: replay runs inside the backward, with grad mode off.
     if (f.info->grad_mode_kernel && at::GradMode::is_enabled()) f.non_replayable = true;
     // A composite op's random children snapshot their own generator state; in the rare case the composite runs
@@ -654,6 +661,56 @@ void Recorder::exit(const CallView& call, c10::ArrayRef<c10::IValue> outputs) no
   }
 }
 
+bool Recorder::composite_ran_itself(const Frame& f, c10::ArrayRef<c10::IValue> outputs) const {
+  if (tape_.next_op_index() != f.tape_size) return false;
+  for (const c10::IValue& o : outputs) {
+    if (!o.isTensor() || !o.toTensor().defined()) {
+      if (contains_tensor(o)) return true;
+      continue;
+    }
+    const ValueId known = impl_value_.find(o.toTensor().unsafeGetTensorImpl());
+    if (known == PtrIndexMap::kMissing || tape_.value(known).producer >= f.tape_size) return true;
+  }
+  return false;
+}
+
+void Recorder::register_output(OpRecord& rec, const at::Tensor& t, OutputScan& scan) {
+  if (!t.defined()) {
+    rec.outputs.push_back(-1);
+    return;
+  }
+  if (t.unsafeGetTensorImpl()->is_python_dispatch()) {  // Note [Python tensor subclasses]
+    throw std::runtime_error(
+        "an output is a tensor subclass that dispatches to Python (a FakeTensor: torch.compile traced the block "
+        "inside the step; or a FunctionalTensor, or a __torch_dispatch__ subclass), which tapesac does not "
+        "record. Compile before the first step, or compile submodules inside the blocks");
+  }
+  scan.cuda = scan.cuda || t.is_cuda();
+  const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
+  StorageId s = storage_id_.find(key);
+  int32_t state;
+  if (s == PtrIndexMap::kMissing) {
+    const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+    s = tape_.add_storage(/*external=*/false, nbytes);
+    storage_id_.assign(key, s);
+    if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
+    last_value_of_storage_.push_back(-1);
+    rec.writes.push_back(s);
+    scan.any_new_storage = true;
+    state = 1;
+  } else {
+    const bool written = std::find(rec.writes.begin(), rec.writes.end(), s) != rec.writes.end();
+    state = tape_.state_of(s) + (written ? 1 : 0);
+  }
+  const ValueId v = tape_.add_output_value(s, state, meta_of(t));
+  if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
+    impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+  }
+  link_value(v, s);
+  rec.outputs.push_back(v);
+  scratch_storages_.push_back(s);
+}
+
 OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IValue> outputs) {
   if (f.info == nullptr) return -1;
   const int64_t end_ns = options_.time_ops ? common::now_ns() : f.start_ns;
@@ -662,20 +719,7 @@ OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IVal
   // run at autograd level and are recorded, and the op itself is not. When none of its children was recorded and
   // it returned a tensor that is not one of its inputs, it ran below autograd itself (another kernel won the
   // dispatch): record it as an ordinary op.
-  if (f.composite) {
-    if (tape_.next_op_index() != f.tape_size) return -1;
-    bool fresh_output = false;
-    for (const c10::IValue& o : outputs) {
-      if (!o.isTensor() || !o.toTensor().defined()) {
-        fresh_output = fresh_output || contains_tensor(o);
-        continue;
-      }
-      const c10::TensorImpl* impl = o.toTensor().unsafeGetTensorImpl();
-      const ValueId known = impl_value_.find(impl);
-      if (known == PtrIndexMap::kMissing || tape_.value(known).producer >= f.tape_size) fresh_output = true;
-    }
-    if (!fresh_output) return -1;
-  }
+  if (f.composite && !composite_ran_itself(f, outputs)) return -1;
   busy_ = true;
   try {
     const OpInfo& info = *f.info;
@@ -697,44 +741,8 @@ OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IVal
     if (!f.unwritten.empty()) externalize_unwritten(f, rec, outputs, input_writes > 0);
     std::vector<StorageId>& out_storages = scratch_storages_;
     out_storages.clear();
-    bool any_new_storage = false;
-    bool cuda = false;
-    auto add_output = [&](const at::Tensor& t) {
-      if (!t.defined()) {
-        rec.outputs.push_back(-1);
-        return;
-      }
-      if (t.unsafeGetTensorImpl()->is_python_dispatch()) {  // Note [Python tensor subclasses]
-        throw std::runtime_error(
-            "an output is a tensor subclass that dispatches to Python (a FakeTensor: torch.compile traced the block "
-            "inside the step; or a FunctionalTensor, or a __torch_dispatch__ subclass), which tapesac does not "
-            "record. Compile before the first step, or compile submodules inside the blocks");
-      }
-      cuda = cuda || t.is_cuda();
-      const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
-      StorageId s = storage_id_.find(key);
-      int32_t state;
-      if (s == PtrIndexMap::kMissing) {
-        const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
-        s = tape_.add_storage(/*external=*/false, nbytes);
-        storage_id_.assign(key, s);
-        if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
-        last_value_of_storage_.push_back(-1);
-        rec.writes.push_back(s);
-        any_new_storage = true;
-        state = 1;
-      } else {
-        const bool written = std::find(rec.writes.begin(), rec.writes.end(), s) != rec.writes.end();
-        state = tape_.state_of(s) + (written ? 1 : 0);
-      }
-      const ValueId v = tape_.add_output_value(s, state, meta_of(t));
-      if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
-        impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
-      }
-      link_value(v, s);
-      rec.outputs.push_back(v);
-      out_storages.push_back(s);
-    };
+    OutputScan scan;
+    auto add_output = [&](const at::Tensor& t) { register_output(rec, t, scan); };
     for (const c10::IValue& o : outputs) {
       if (o.isTensor()) {
         add_output(o.toTensor());
@@ -749,7 +757,7 @@ OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IVal
         f.non_replayable = true;
       }
     }
-    if (input_writes == 0 && !any_new_storage && !out_storages.empty()) {
+    if (input_writes == 0 && !scan.any_new_storage && !out_storages.empty()) {
       rec.flags |= kView;
       for (ArgRef& a : rec.inputs) {
         const StorageId s = tape_.value(a.value).storage;
@@ -759,7 +767,7 @@ OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IVal
     if (writes_external) rec.flags |= kWritesExternal;
     if (f.non_replayable || info.effectful) rec.flags |= kNonReplayable;
     if (f.generator.has_value()) rec.flags |= kRandom;
-    if (info.nondeterministic_bitwise && cuda) rec.flags |= kNondeterministic | kNonReplayable;
+    if (info.nondeterministic_bitwise && scan.cuda) rec.flags |= kNondeterministic | kNonReplayable;
     if (info.uninitialized || deterministic_fill(info, rec)) rec.flags |= kUninitialized;
     note_writes(rec);
     const OpIndex index = tape_.add_op(std::move(rec));

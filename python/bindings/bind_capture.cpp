@@ -38,18 +38,15 @@ void bind_capture(py::module_& m) {
   m.def(
       "set_recorder_hook",
       [](const std::string& name) {
-        capture::RecorderHook hook = capture::RecorderHook::kAuto;
         try {
-          hook = capture::parse_recorder_hook(name);
+          const capture::RecorderHook hook = capture::parse_recorder_hook(name);
+          TAPESAC_CHECK(hook != capture::RecorderHook::kDispatchKey || capture::dispatch_hook::available(), kConfig,
+                        "tapesac: the dispatch hook is not available in this process (another library registered a "
+                        "fallback on its dispatch key); use 'record_function' or 'auto'");
+          capture::set_default_recorder_hook(hook);  // refuses 'default'
         } catch (const std::invalid_argument& e) {
           TAPESAC_CHECK(false, kConfig, e.what());
         }
-        TAPESAC_CHECK(hook != capture::RecorderHook::kDefault, kConfig,
-                      "tapesac: set_recorder_hook takes 'auto', 'dispatch_key' or 'record_function', got 'default'");
-        TAPESAC_CHECK(hook != capture::RecorderHook::kDispatchKey || capture::dispatch_hook::available(), kConfig,
-                      "tapesac: the dispatch hook is not available in this process (another library registered a "
-                      "fallback on its dispatch key); use 'record_function' or 'auto'");
-        capture::set_default_recorder_hook(hook);
       },
       py::arg("name"), "Sets recorder_hook() (tests and diagnostics).");
   m.def("dispatch_hook_available", &capture::dispatch_hook::available,

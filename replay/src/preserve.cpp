@@ -130,10 +130,8 @@ WriteWatcher::WriteWatcher(PreserveMode mode, std::unordered_map<const void*, Pr
 WriteWatcher::~WriteWatcher() { end(); }
 
 void WriteWatcher::attach() {
-  // The recorder's choice of hook (RecorderOptions::hook, Note [Dispatch hook]) is the watcher's too.
-  const capture::RecorderHook hook = capture::default_recorder_hook();
-  hooked_ = hook == capture::RecorderHook::kDispatchKey ||
-            (hook == capture::RecorderHook::kAuto && capture::dispatch_hook::available());
+  // The recorders' choice of hook (Note [Dispatch hook]) is the watcher's too.
+  hooked_ = capture::resolve_recorder_hook(capture::RecorderHook::kDefault) == capture::RecorderHook::kDispatchKey;
   if (hooked_) {
     capture::dispatch_hook::attach(this);
   } else {
@@ -190,7 +188,7 @@ void WriteWatcher::end() noexcept {
 
 std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunction& fn) {
   WriteWatcher* w = t_watcher;
-  if (w == nullptr || w->hooked_ || w->paused_.load(std::memory_order_relaxed)) return nullptr;
+  if (w == nullptr || w->paused_.load(std::memory_order_relaxed)) return nullptr;
   // Named regions that are not operator calls are transparent: autograd wraps every node of the backward in one
   // ("autograd::engine::evaluate_function: ..."), and a write from a tensor hook runs inside it.
   if (!w->operator_call(fn)) return nullptr;
@@ -217,7 +215,7 @@ void WriteWatcher::on_call_exit(const c10::OperatorHandle& /*op*/, c10::ArrayRef
 
 void WriteWatcher::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   WriteWatcher* w = t_watcher;
-  if (w == nullptr || w->hooked_ || !w->operator_call(fn)) return;  // not counted on entry
+  if (w == nullptr || !w->operator_call(fn)) return;  // not counted on entry
   if (w->depth_ > 0) --w->depth_;
 }
 

@@ -58,6 +58,9 @@ const char* recorder_hook_name(RecorderHook hook);
 RecorderHook parse_recorder_hook(const std::string& name);
 /// The process-wide choice RecorderHook::kDefault stands for (initially kAuto). Thread-safe.
 RecorderHook default_recorder_hook();
+/// The hook `hook` stands for now: kDefault is the process-wide choice, kAuto the dispatch hook when available;
+/// the answer is kDispatchKey or kRecordFunction. The write watcher follows the recorders' choice through it.
+RecorderHook resolve_recorder_hook(RecorderHook hook);
 /// Sets it (kDefault is refused with std::invalid_argument). Thread-safe; recorders already started keep theirs.
 void set_default_recorder_hook(RecorderHook hook);
 
@@ -158,6 +161,19 @@ class Recorder : private CallObserver {
   void exit(const CallView& call, c10::ArrayRef<c10::IValue> outputs) noexcept;
   /// Keeps the first failure as error_ (recording then stops).
   void note_failure(const CallView& call, const std::exception& e) noexcept;
+  /// The call's arguments into f: tensors as value reads, the rest kept as constants for replay.
+  void read_arguments(Frame& f, c10::ArrayRef<c10::IValue> inputs);
+  /// Note [Composite ops that run themselves]: none of its children was recorded and it returned a tensor that is
+  /// not one of its inputs.
+  bool composite_ran_itself(const Frame& f, c10::ArrayRef<c10::IValue> outputs) const;
+  /// What registering a call's outputs found.
+  struct OutputScan {
+    bool any_new_storage = false;  // an output is on a storage the tape had not seen: the op created it
+    bool cuda = false;
+  };
+  /// One output of the call being finished: its storage (created or written), its value, its identity; appends
+  /// the storage to scratch_storages_.
+  void register_output(OpRecord& rec, const at::Tensor& t, OutputScan& scan);
   /// Appends the op of a finished tracked call to the tape; its index, or -1 when it is not recorded.
   OpIndex finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IValue> outputs);
   const OpInfo* should_record(const CallView& call);

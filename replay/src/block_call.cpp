@@ -140,6 +140,18 @@ void BlockCall::release(int32_t slot) noexcept {
 // dropped value's last handle goes (the backward runs the calls' nodes last to first, so the kept values go from the
 // last). Externals (block inputs, parameters, values held only for the replay) stay to the step's end, as the planner
 // models them; so does everything under approximate replay, which reads more than the tape's closure.
+//
+// Note [Externals freed with their readers]. An external a replay reads — a value no recorded op produced: the output
+// of a kernel that wrote outside the dispatcher (kept, opaque), a wrapped Python number a recorded op took as a 0-dim
+// tensor, a block input, a parameter — was held in live_ to the step's end. Without tapesac it lives as long as the
+// graph nodes that saved it (and whoever else holds it): random program 1336's second block held an opaque 216-byte
+// output and two 8-byte scalars through the rest of its backward, which keeping everything had freed when the nodes
+// that saved them ran; the measured step, and the keep-everything ceiling read from it, were 232 bytes too high
+// there, and auto dropped values at a limit that fits keeping everything. A replay runs no op after `latest`, so an
+// external whose first reader comes after it cannot be read any more, and live_ lets go of it — except the ones
+// nothing but live_ held when the backward began (held_for_replay_): the peak models count those from the forward's
+// end to the step's (Note [Sequence model in unusual steps], planner/peak_model.h), so they stay to the step's end.
+// Block inputs and parameters are read by the first ops: they stay while any dropped value has a handle.
 void BlockCall::release_kept_live() noexcept {
   if (!forward_closed_ || step_closed_ || approx_ != nullptr) return;
   const Tape& tape = recorder_.tape();
@@ -156,9 +168,24 @@ void BlockCall::release_kept_live() noexcept {
       latest = std::max(latest, writers[static_cast<size_t>(state) - 1]);
     }
   }
+  if (first_reader_.size() != tape.values().size()) {
+    first_reader_.assign(tape.values().size(), std::numeric_limits<capture::OpIndex>::max());
+    for (size_t i = 0; i < tape.ops().size(); ++i) {
+      for (const capture::ArgRef& a : tape.ops()[i].inputs) {
+        if (a.value < 0 || static_cast<size_t>(a.value) >= first_reader_.size()) continue;
+        capture::OpIndex& r = first_reader_[static_cast<size_t>(a.value)];
+        r = std::min(r, static_cast<capture::OpIndex>(i));
+      }
+    }
+  }
   for (size_t k = 0; k < live_.size() && k < tape.values().size(); ++k) {
+    if (!live_[k].defined()) continue;
     const capture::ValueInfo& info = tape.value(static_cast<ValueId>(k));
-    if (live_[k].defined() && info.producer != kExternal && info.producer >= latest) live_[k].reset();
+    if (info.producer != kExternal) {
+      if (info.producer >= latest) live_[k].reset();
+    } else if (first_reader_[k] > latest && !held_for_replay_.count(storage_key(live_[k]))) {
+      live_[k].reset();  // Note [Externals freed with their readers]
+    }
   }
 }
 
@@ -498,8 +525,12 @@ void BlockCall::refresh_alive_dropped_locked() {
     o.only_us = o.only_us && t.use_count() == 1;
   }
   held_for_replay_bytes_ = 0;
+  held_for_replay_.clear();
   for (const auto& [key, o] : ours) {
-    if (o.only_us && o.storage_uses == o.tensors) held_for_replay_bytes_ += o.bytes;
+    if (o.only_us && o.storage_uses == o.tensors) {
+      held_for_replay_bytes_ += o.bytes;
+      held_for_replay_.insert(key);
+    }
   }
 }
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -272,6 +273,83 @@ def test_a_kept_value_a_replay_read_is_freed_with_its_last_slot(policy: str | No
         if graph:
             assert st.graph_replays > 0, st
     assert model.blocks[0].h_alive_at_its_grad == [False], f"policy {policy}: h still held after h * h's backward"
+    xr = make_x().requires_grad_(True)
+    loss_of(ref(xr)).backward()
+    assert_same_grads(model, ref)
+    assert_same_tensor("input grad", x.grad, xr.grad)
+
+
+class _ExternalTimesTwo(torch.autograd.Function):
+    """2 * h computed where the dispatcher does not see it: the output comes from torch.empty_like and is filled
+    through .numpy() (opaque to tapesac: kept, never replayed). It saves nothing for its own backward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(h)
+        out.numpy()[...] = 2 * h.detach().numpy()
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return 2 * g
+
+
+class _ExternalReadByReplay(torch.nn.Module):
+    """e = external(x @ w1) and a wrapped Python number read by (e * e * 0.5).tanh() @ w2: under policy "full" the
+    replay of the tanh output reads e (kept, opaque) and the number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.e_ref: StorageWeakRef | None = None
+        self.e_alive_at_its_grad: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = _ExternalTimesTwo.apply(x @ self.w1)
+        self.e_ref = StorageWeakRef(e.untyped_storage())
+        # Runs in the backward once e * e's node is done (its gradient is e's), before the external's backward.
+        e.register_hook(lambda g: self.e_alive_at_its_grad.append(not self.e_ref.expired()))
+        return (e * e * 0.5).tanh() @ self.w2
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "full_graph", None])
+def test_an_external_a_replay_read_is_freed_with_its_readers(policy: str | None) -> None:
+    """Note [Externals freed with their readers] (replay/src/block_call.cpp): the replay of tanh(e * e * 0.5) reads
+    e, the output of a kernel that wrote outside the dispatcher (no recorded op produced its bytes: an external of
+    the tape). Once no replay can read it, e is freed when the node that saved it (e * e) is done, as without
+    tapesac, not when the block's last saved tensor goes: e's gradient hook, which runs once that node is done,
+    finds e's storage gone. (Held to the block's end, such externals raised the measured peak of policy "full" and
+    the keep-everything ceiling read from it: random program 1336 at its no-checkpoint peak dropped values.) Eager
+    and the emulated graph backend."""
+    import tapesac
+
+    model = M.Stack([_ExternalReadByReplay()])
+    ref = copy.deepcopy(model)
+    x = make_x().requires_grad_(True)
+    if policy is None:  # positive control: plain autograd
+        loss_of(model(x)).backward()
+    else:
+        graph = policy == "full_graph"
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="none" if policy == "none" else "full",
+                              **({"backend": "emulated_graph"} if graph else {}))
+        try:
+            for _ in range(3 if graph else 0):
+                with sac.step():
+                    loss_of(model(make_x())).backward()
+                model.zero_grad(set_to_none=True)
+            model.blocks[0].e_alive_at_its_grad.clear()
+            with sac.step():
+                loss_of(model(x)).backward()
+            st = sac.last_step
+        finally:
+            sac.close()
+        if policy != "none":
+            assert st.dropped_tensors >= 2 and st.ops_replayed >= 2 and st.opaque_tensors >= 1, st
+        if graph:
+            assert st.graph_replays > 0, st
+    assert model.blocks[0].e_alive_at_its_grad == [False], f"policy {policy}: e still held after e * e's backward"
     xr = make_x().requires_grad_(True)
     loss_of(ref(xr)).backward()
     assert_same_grads(model, ref)

@@ -405,6 +405,21 @@ def test_auto_does_not_keep_everything_below_an_exact_ceiling(seed: int) -> None
     assert outcome.auto_over_limit_bytes == 0, f"seed {seed}: the planned step ran {outcome.auto_over_limit_bytes} over"
 
 
+@pytest.mark.parametrize("seed", [1336, 2517])
+def test_auto_keeps_everything_at_the_no_checkpoint_peak_once_externals_go_with_their_readers(seed: int) -> None:
+    """Found by the 5,000-program runs of 2026-12-03 to 2026-12-06 (the last two dropping at the no-checkpoint peak):
+    the second block's replay read externals (traced on 1336: the opaque output of a kernel writing through
+    `.numpy()` and two wrapped Python numbers, 232 bytes), which the block call held to the end of its backward, past
+    the nodes that saved them; the measured "full" step, and the keep-everything ceiling read from it, were too high
+    (1336: 5,044 for a no-checkpoint peak of 4,922; 2517: 7,628 for 7,612). They are now freed once no replay can
+    read them (Note [Externals freed with their readers], replay/src/block_call.cpp), and the ceiling is exact on
+    both; "full" peaks lower too (1336: 3,982 -> 3,840; 2517: 7,132 -> 7,108)."""
+    program = R.Program.generate(seed)
+    assert R.auto_limit_for(program).frac == 1.0
+    outcome = _keeps_everything_at_the_no_checkpoint_peak(seed)
+    assert outcome.stats["full"].memory.peak_bytes < outcome.stats["none"].memory.peak_bytes
+
+
 @pytest.mark.parametrize("seed", [1527, 2314, 3736])
 def test_auto_keeps_everything_at_the_no_checkpoint_peak_once_kept_values_go_with_their_slots(seed: int) -> None:
     """Found by the 5,000-program run of 2026-12-02 (dropped at the no-checkpoint peak): a kept value a replay read

@@ -218,7 +218,8 @@ class BlockCall : public capture::RecorderListener,
   void resolve_pending(bool final);
   void release_all() noexcept;
   /// Note [Kept values freed with their slots]: lets go of the kept values in live_ that no replay of a dropped value
-  /// with a handle left can read.
+  /// with a handle left can read, and of the externals it does not hold for the replays alone (Note [Externals freed
+  /// with their readers]).
   void release_kept_live() noexcept;
   /// Applies the memory limit to the replay `in`: keeps the extras that fit (fit_extras), then replays all of
   /// in.targets, or only `wanted` when they would not fit (in.plan and in.targets updated); throws MemoryLimitError
@@ -285,6 +286,8 @@ class BlockCall : public capture::RecorderListener,
   std::optional<std::vector<int32_t>> alive_dropped_slots_;
   std::unordered_set<ValueId> alive_at_unpack_;
   int64_t held_for_replay_bytes_ = 0;
+  std::unordered_set<const void*> held_for_replay_;  // their storages (storage_key)
+  std::vector<capture::OpIndex> first_reader_;       // per ValueId: the first op reading it (built on first use)
   // Data pointers of the dropped storages drop() marked alive, until their free or the step's end.
   std::vector<const void*> marked_alive_;
   int32_t alive_tag_ = -1;  // this call's tag on the memory timeline (StepMemory::alive_tag)

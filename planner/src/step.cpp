@@ -513,7 +513,7 @@ void refine_schedules(const StepInput& in, const SequencePeakModel& model, int64
 // first (what the sequence model rewards). The sequence peak of these plans grows with B except for small
 // non-monotone steps, so a bisection on B finds the largest fitting budget; every evaluated plan that fits is a
 // candidate, and the cheapest wins. About 40 plan_step calls per search.
-StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t limit_bytes) {
+StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t limit_bytes, bool keep_all) {
   TAPESAC_CHECK(model.valid && model.backward_c.size() == in.calls.size(), kConfig,
                 "plan_step: the sequence peak model has ", model.backward_c.size(), " calls, the step ",
                 in.calls.size());
@@ -539,7 +539,7 @@ StepPlan plan_step(const StepInput& in, const SequencePeakModel& model, int64_t 
   // at the lower of this prediction and the keep-everything ceiling, which reads the measured timeline (Note
   // [Keep-everything ceiling] in peak_model.h; it used to be kept within max(4 KiB, 0.01%) below this prediction,
   // which on the random programs of a few KB ran a third of the planned steps over their limits).
-  if (limit_bytes >= keep_all_peak) {
+  if (keep_all && limit_bytes >= keep_all_peak) {
     all.keeps_everything = true;
     return finish(std::move(all));
   }

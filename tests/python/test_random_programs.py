@@ -395,9 +395,10 @@ def test_auto_does_not_predict_a_plan_keeping_more_below_a_window_that_peaks_aft
 @pytest.mark.parametrize("seed", [22, 685, 702])
 def test_auto_does_not_keep_everything_below_an_exact_ceiling(seed: int) -> None:
     """Found by the 5,000-program runs of 2026-12-02: on programs of 2 KB the keep-everything ceiling was exact
-    (22: 2,080 bytes, as measured) and the limit 6-8% below it, yet within the slack of 64 bytes per block call
-    (AutoPlannerOptions::ceiling_slack_per_call) that lets a limit a few bytes below the ceiling keep everything: the
-    planned step kept everything and ran over. The slack is now at most 0.2% of the limit."""
+    (22: 2,080 bytes, as measured) and the limit 6-8% below it, yet within the slack of 64 bytes per block call that
+    let a limit a few bytes below the ceiling keep everything: the planned step kept everything and ran over. The
+    slack was then capped at 0.2% of the limit, and is gone since 2026-12-06 (Note [Keeping everything by the
+    ceiling], runtime/src/auto_planner.cpp)."""
     outcome = R.check_program(seed, policies=["none", "full", "auto"])
     assert R.auto_limit_for(outcome.program).frac < 1.0
     assert not outcome.auto_refused, outcome.auto_refused

@@ -1052,29 +1052,13 @@ def _gru_steps(policy: str, steps: int = 3, **kw: Any) -> list[int]:
         sac.close()
 
 
-# Open (issue 18 item 5): full peaks at 40,904 bytes in these steps and keeping everything at 40,968. The sequence
-# model predicts keeping everything at 40,328 (the replay's working set, 8,320 bytes, includes 640 of transients gone
-# when the window peaks), so the first plan keeps everything and step 2 runs 64 bytes over (flagged); the replan then
-# holds back a margin below the limit and finds no plan under it, and falls back to the masks "full" ran with, which
-# measured 40,904 (Note [Measured fallback] in runtime/runtime.h; before, it refused: MemoryLimitError, "at least
-# 45,577 bytes"): test_auto_recovers_at_a_limit_full_met. Predicting keep-everything
-# from the window's levels (as Note [Backward levels] does for retained graphs) gives 40,968 exactly, but the
-# keep-everything tolerance (4 KiB) then still keeps everything, and without it the next plan (dropping per block the
-# 768-byte add_ that gelu saves and one 128-byte clone of the recurrence) is predicted 40,904 and measured 41,672 and
-# 41,928 in two runs: from the block's GRU backward to the window's peak it holds 768 bytes more than the full step,
-# which freed a 768-byte rebuilt value there (a kept value outliving its rebuilt copy is the likely reading).
-# Unchanged by the keep-everything ceiling (Note [Keep-everything ceiling]): keeping everything is predicted at the
-# lower of the ceiling and the model's 40,328, and full and none are 64 bytes apart, less than any tolerance the
-# ceiling or the model's byte accounting allow. (Since the dropped values held elsewhere are counted by call, the
-# ceiling is exact here, 40,968; the model's lower figure still wins.)
-# Strict: the day it passes, this mark and the README's *Limits and guarantees* must change.
-_GRU_LIMIT_OPEN = pytest.mark.xfail(reason="keep-everything under-predicted by 640 bytes on the GRU stack; see the "
-                                    "comment above", strict=True)
-
-
-@_GRU_LIMIT_OPEN
 def test_auto_accepts_a_limit_that_full_meets() -> None:
-    """A limit that policy "full" meets (measured, in the very steps auto runs) is one "auto" meets too."""
+    """A limit that policy "full" meets (measured, in the very steps auto runs) is one "auto" meets too, from its
+    first plan. On this GRU stack full peaks at 40,904 bytes and keeping everything at 40,968; the sequence model
+    predicted keeping everything at 40,328 (it charges the replay's whole working set, 8,320 bytes, at the backward
+    window's peak, where 640 of them are gone), so the first plan kept everything and ran 64 bytes over (flagged).
+    Keeping everything is now decided by the keep-everything ceiling, exact here (Note [Keeping everything by the
+    ceiling], runtime/src/auto_planner.cpp): the first plan drops 4 tensors and peaks at the limit."""
     limit = max(_gru_steps("full"))
     peaks = _gru_steps("auto", memory_limit=limit)
     assert max(peaks[1:]) <= limit, f"planned steps over the limit {limit} that full meets: {peaks}"

@@ -391,6 +391,28 @@ TEST(PlanStepSequence, PlansFitTheModelAndCostFallsWithTheLimit) {
   EXPECT_FALSE(plan_step(in, m, all.keep_all_peak_bytes - 1).keeps_everything);
 }
 
+// Note [Keeping everything by the ceiling] (runtime/src/auto_planner.cpp): with keeping everything ruled out (the
+// runtime's ceiling says it does not fit), a limit at or above the model's keep-everything prediction gets the best
+// plan that drops, still within the limit; one below the least-memory plan still throws.
+TEST(PlanStepSequence, KeepingEverythingRuledOutGivesAPlanThatDrops) {
+  const int n = 4;
+  const StepInput in = step_of(n, 5);
+  const SequencePeakModel m = growing_model(n);
+  const StepPlan all = plan_step(in, m, std::numeric_limits<int64_t>::max());
+  ASSERT_TRUE(all.keeps_everything);
+  for (const int64_t limit : {all.keep_all_peak_bytes, all.keep_all_peak_bytes + kMiB}) {
+    const StepPlan p = plan_step(in, m, limit, /*keep_all=*/false);
+    EXPECT_FALSE(p.keeps_everything) << limit;
+    EXPECT_LE(p.predicted_peak_bytes, limit);
+    EXPECT_GT(p.replay_cost_ns, 0) << "a plan that drops replays";
+    EXPECT_EQ(p.keep_all_peak_bytes, all.keep_all_peak_bytes);  // still reported
+    int64_t kept = 0;
+    for (const CallPlan& c : p.calls) kept += c.kept_bytes;
+    EXPECT_LT(kept, all.sum_kept_bytes);
+  }
+  EXPECT_THROW(plan_step(in, m, all.min_feasible_peak_bytes - 1, /*keep_all=*/false), InfeasibleLimitError);
+}
+
 TEST(PlanStepSequence, LaterCallsKeepMore) {
   // The backward frees the last call first: with equal problems, a plan never keeps more in an earlier call.
   const int n = 8;

@@ -300,9 +300,9 @@ TEST(Runtime, ALimitAtTheKeepEverythingPeakKeepsEverything) {
   s->shutdown();
 }
 
-// One byte below keeping everything: the first plan keeps everything (the limit lies within the ceiling's slack
-// below it), runs over by a few bytes (flagged), and the plan after that step — whose ceiling is now a measurement —
-// drops, and runs within the limit.
+// One byte below keeping everything: the first plan keeps everything only if the ceiling lies at or below the limit
+// (no slack below it: Note [Keeping everything by the ceiling]); if that step runs over (flagged), the plan after it —
+// whose ceiling is now a measurement — drops; from step 3 on every step runs within the limit.
 TEST(Runtime, AKeepEverythingStepOverTheLimitIsFollowedByAPlanThatDrops) {
   const auto w = torch::randn({kDim, kDim});
   const int64_t all = keep_all_peak(w);

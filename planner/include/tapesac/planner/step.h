@@ -83,8 +83,9 @@ StepPlan plan_step(const StepInput& input, const PeakModel& model, int64_t limit
 /// not fit. replay_cost_lower_bound_ns is the additive problem's bound at the chosen budget. Every call then gets the
 /// cheapest of its point's schedules that keeps the prediction under the limit. A limit at or above the
 /// keep-everything prediction keeps everything (the runtime bounds that prediction by the measured timeline: Note
-/// [Keep-everything ceiling] in peak_model.h).
-StepPlan plan_step(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes);
+/// [Keep-everything ceiling] in peak_model.h). `keep_all` false: keeping everything is not a candidate (the runtime's
+/// ceiling says it does not fit), every plan returned drops something.
+StepPlan plan_step(const StepInput& input, const SequencePeakModel& model, int64_t limit_bytes, bool keep_all = true);
 
 /// Every call at its frontier's least-memory point (the first: forced_keep() plus the candidates that cost no bytes)
 /// with the single replay: the masks policy "full" runs with, as auto's measuring step did. Its figures but the

@@ -63,13 +63,6 @@ struct AutoPlannerOptions {
   /// peak whose predicted replay time is at most this fraction above that of one replay per call (Note [Replay time
   /// budget] in planner/src/step.cpp).
   double schedule_time_budget = -1;
-  /// A limit this many bytes per block call below the keep-everything ceiling (Note [Keep-everything ceiling] in
-  /// planner/peak_model.h) still keeps everything: the ceiling counts the dropped values in tensor bytes, the
-  /// allocator its allocations (the random programs refused at their no-checkpoint peak: 8 to 24 bytes above it).
-  /// At most ceiling_slack_fraction of the limit: on steps of a few KB, 64 bytes per call kept everything at limits
-  /// up to 6% below an exact ceiling (random program 702: ceiling and measured 1,996 bytes, limit 1,880).
-  int64_t ceiling_slack_per_call = 64;
-  double ceiling_slack_fraction = 0.002;
 };
 
 /// The message of an infeasible limit: the user's limit, the smallest feasible step peak and what it is made of, and
@@ -186,7 +179,6 @@ class AutoPlanner {
   int64_t seq_baseline_ = 0;  // the baseline of the step seq_ was calibrated on
   bool last_used_seq_ = false;
   int64_t last_ceiling_ = INT64_MAX;  // the keep-everything ceiling of the step the last plan was made after
-  bool ceiling_measured_ = false;     // that step dropped nothing: the ceiling is its measured peak (no slack)
   planner::StepInput last_input_;
 };
 

@@ -187,13 +187,13 @@ planner::StepPlan AutoPlanner::plan_under_ceiling(const planner::StepInput& inpu
   // bounds directly (Note [Keep-everything ceiling]); with fixed masks it is not a choice. Where there is a ceiling,
   // it decides whether keeping everything fits: no slack below it, and, under the sequence model, no keeping
   // everything on the model's word when the ceiling says otherwise (the additive model, used only when the sequence
-  // model has no calibration, keeps the lower of the two). The model charges a call's whole measured working set at its
-  // window's peak, transients included, and calibrated on a plan that replays it can predict keeping everything
+  // model has no calibration, keeps the lower of the two). The model charges a call's whole measured working set at
+  // its window's peak, transients included, and calibrated on a plan that replays it can predict keeping everything
   // below its measured peak (the GRU stack of test_user_holes.py: 40,328 predicted, 40,968 measured, at a limit of
   // 40,904 that the first plan then ran over). The slack (64 bytes per call, at most 0.2% of the limit) was there for
   // a ceiling a few bytes off, which it no longer is on the random programs (5,000 of them, 2026-12-06: 0 dropping
-  // values or refused at their no-checkpoint peak both times, 71 -> 51 and 54 over and flagged in two runs with these two
-  // rules).
+  // values or refused at their no-checkpoint peak both times, 71 -> 51 and 54 over and flagged in two runs with these
+  // two rules).
   const bool ceiling_fits = ceiling != INT64_MAX && limit >= ceiling;
   planner::StepPlan plan;
   try {
@@ -216,7 +216,8 @@ planner::StepPlan AutoPlanner::plan_under_ceiling(const planner::StepInput& inpu
   } else if (plan.keeps_everything) {
     plan.predicted_peak_bytes = std::min(plan.predicted_peak_bytes, ceiling);
   }
-  if (ceiling != INT64_MAX) plan.keep_all_peak_bytes = ceiling;  // what decided (Note [Keeping everything by the ceiling])
+  // What decided (Note [Keeping everything by the ceiling]).
+  if (ceiling != INT64_MAX) plan.keep_all_peak_bytes = ceiling;
   plan.min_feasible_peak_bytes = std::min(plan.min_feasible_peak_bytes, ceiling);
   return plan;
 }

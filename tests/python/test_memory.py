@@ -227,14 +227,52 @@ class _KeptReadByReplay(torch.nn.Module):
         self.w1 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
         self.w2 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
         self.h_ref: StorageWeakRef | None = None
-        self.h_alive_at_its_grad: list[bool] = []
+        self.alive_at_its_grad: list[bool] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x @ self.w1
         self.h_ref = StorageWeakRef(h.untyped_storage())
         # Runs in the backward once h * h's node is done (its gradient is h's), before the first matmul's.
-        h.register_hook(lambda g: self.h_alive_at_its_grad.append(not self.h_ref.expired()))
+        h.register_hook(lambda g: self.alive_at_its_grad.append(not self.h_ref.expired()))
         return (h * h).tanh() @ self.w2
+
+
+def _step_watching_one_tensor(block: torch.nn.Module, policy: Any, graph: bool = False) -> Any:
+    """One training step of M.Stack([block]) — plain autograd when `policy` is None, else under TapeSAC(policy), after
+    three warm-up steps (capture, then launches) with the emulated graph backend when `graph` — checked bitwise
+    against a deep copy run without tapesac. The block appends to `alive_at_its_grad`, from a gradient hook, whether
+    the tensor it watches was still alive: it must not be (freed with the node that saved it, as without tapesac).
+    Returns the step's StepStats (None for plain autograd)."""
+    import tapesac
+
+    model = M.Stack([block])
+    ref = copy.deepcopy(model)
+    x = make_x().requires_grad_(True)
+    st = None
+    if policy is None:  # positive control: plain autograd
+        loss_of(model(x)).backward()
+    else:
+        backend = {"backend": "emulated_graph"} if graph else {}
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy, **backend)
+        try:
+            for _ in range(3 if graph else 0):
+                with sac.step():
+                    loss_of(model(make_x())).backward()
+                model.zero_grad(set_to_none=True)
+            model.blocks[0].alive_at_its_grad.clear()
+            with sac.step():
+                loss_of(model(x)).backward()
+            st = sac.last_step
+        finally:
+            sac.close()
+        if graph:
+            assert st.graph_replays > 0, st
+    assert model.blocks[0].alive_at_its_grad == [False], f"policy {policy}: still held after its node's backward"
+    xr = make_x().requires_grad_(True)
+    loss_of(ref(xr)).backward()
+    assert_same_grads(model, ref)
+    assert_same_tensor("input grad", x.grad, xr.grad)
+    return st
 
 
 @pytest.mark.parametrize("policy", ["none", "keep_mm", "keep_mm_graph", None])
@@ -246,37 +284,10 @@ def test_a_kept_value_a_replay_read_is_freed_with_its_last_slot(policy: str | No
     block's end, a kept value the replays had read raised the measured peak of policy "full" and the keep-everything
     ceiling read from it: random program 2314 at its no-checkpoint peak dropped values.) Eager and the emulated
     graph backend."""
-    import tapesac
-
-    model = M.Stack([_KeptReadByReplay()])
-    ref = copy.deepcopy(model)
-    x = make_x().requires_grad_(True)
-    if policy is None:  # positive control: plain autograd
-        loss_of(model(x)).backward()
-    else:
-        graph = policy == "keep_mm_graph"  # the graph replayer's logic on CPU: warm-up steps capture, then launch
-        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="none" if policy == "none" else {"aten::mm"},
-                              **({"backend": "emulated_graph"} if graph else {}))
-        try:
-            for _ in range(3 if graph else 0):
-                with sac.step():
-                    loss_of(model(make_x())).backward()
-                model.zero_grad(set_to_none=True)
-            model.blocks[0].h_alive_at_its_grad.clear()
-            with sac.step():
-                loss_of(model(x)).backward()
-            st = sac.last_step
-        finally:
-            sac.close()
-        if policy != "none":
-            assert st.dropped_tensors >= 2 and st.ops_replayed >= 2 and st.kept_tensors >= 2, st
-        if graph:
-            assert st.graph_replays > 0, st
-    assert model.blocks[0].h_alive_at_its_grad == [False], f"policy {policy}: h still held after h * h's backward"
-    xr = make_x().requires_grad_(True)
-    loss_of(ref(xr)).backward()
-    assert_same_grads(model, ref)
-    assert_same_tensor("input grad", x.grad, xr.grad)
+    st = _step_watching_one_tensor(_KeptReadByReplay(), None if policy is None else "none" if policy == "none"
+                                   else {"aten::mm"}, graph=policy == "keep_mm_graph")
+    if policy not in (None, "none"):
+        assert st.dropped_tensors >= 2 and st.ops_replayed >= 2 and st.kept_tensors >= 2, st
 
 
 class _ExternalTimesTwo(torch.autograd.Function):
@@ -304,13 +315,13 @@ class _ExternalReadByReplay(torch.nn.Module):
         self.w1 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
         self.w2 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
         self.e_ref: StorageWeakRef | None = None
-        self.e_alive_at_its_grad: list[bool] = []
+        self.alive_at_its_grad: list[bool] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = _ExternalTimesTwo.apply(x @ self.w1)
         self.e_ref = StorageWeakRef(e.untyped_storage())
         # Runs in the backward once e * e's node is done (its gradient is e's), before the external's backward.
-        e.register_hook(lambda g: self.e_alive_at_its_grad.append(not self.e_ref.expired()))
+        e.register_hook(lambda g: self.alive_at_its_grad.append(not self.e_ref.expired()))
         return (e * e * 0.5).tanh() @ self.w2
 
 
@@ -323,37 +334,10 @@ def test_an_external_a_replay_read_is_freed_with_its_readers(policy: str | None)
     finds e's storage gone. (Held to the block's end, such externals raised the measured peak of policy "full" and
     the keep-everything ceiling read from it: random program 1336 at its no-checkpoint peak dropped values.) Eager
     and the emulated graph backend."""
-    import tapesac
-
-    model = M.Stack([_ExternalReadByReplay()])
-    ref = copy.deepcopy(model)
-    x = make_x().requires_grad_(True)
-    if policy is None:  # positive control: plain autograd
-        loss_of(model(x)).backward()
-    else:
-        graph = policy == "full_graph"
-        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="none" if policy == "none" else "full",
-                              **({"backend": "emulated_graph"} if graph else {}))
-        try:
-            for _ in range(3 if graph else 0):
-                with sac.step():
-                    loss_of(model(make_x())).backward()
-                model.zero_grad(set_to_none=True)
-            model.blocks[0].e_alive_at_its_grad.clear()
-            with sac.step():
-                loss_of(model(x)).backward()
-            st = sac.last_step
-        finally:
-            sac.close()
-        if policy != "none":
-            assert st.dropped_tensors >= 2 and st.ops_replayed >= 2 and st.opaque_tensors >= 1, st
-        if graph:
-            assert st.graph_replays > 0, st
-    assert model.blocks[0].e_alive_at_its_grad == [False], f"policy {policy}: e still held after e * e's backward"
-    xr = make_x().requires_grad_(True)
-    loss_of(ref(xr)).backward()
-    assert_same_grads(model, ref)
-    assert_same_tensor("input grad", x.grad, xr.grad)
+    st = _step_watching_one_tensor(_ExternalReadByReplay(), None if policy is None else "none" if policy == "none"
+                                   else "full", graph=policy == "full_graph")
+    if policy not in (None, "none"):
+        assert st.dropped_tensors >= 2 and st.ops_replayed >= 2 and st.opaque_tensors >= 1, st
 
 
 class _TwoBranches(torch.nn.Module):

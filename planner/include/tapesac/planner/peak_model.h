@@ -108,8 +108,11 @@ struct CallAlive {
 /// (The autocast case of test_user_holes.py on one intra-op thread: 538,504 without either correction, 489,352 with
 /// them, the measured peak of keeping everything.) For a step that kept everything (dropped_k = 0) it is the
 /// measured peak. It is not a bound when a kept value
-/// outlives its rebuilt copy (the GRU stack of test_user_holes.py: by 640 bytes); the planner takes the lower of it
-/// and the model's keep-everything figure.
+/// outlives its rebuilt copy, or an input the replays read outlives the nodes that saved it (both now freed with
+/// them: Note [Kept values freed with their slots], Note [Externals freed with their readers] in
+/// replay/src/block_call.cpp). Under the sequence model it alone decides whether keeping everything fits (Note
+/// [Keeping everything by the ceiling] in runtime/src/auto_planner.cpp); the additive model takes the lower of it and
+/// its own keep-everything figure.
 /// `release_ns[k]` < 0: the call never replayed (its dropped bytes count to the end). Returns INT64_MAX for an empty
 /// timeline or mismatched sizes (no bound).
 /// `held_to_end`: what the step held only because it replays from a moment to its end (HeldToEnd), subtracted from

@@ -212,25 +212,25 @@ def make_variants(mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str
     return out
 
 
-def bench_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    mod, x, desc = build_workload(name, args)
-    variants = make_variants(mod, x, args.variants)
-    res: dict[str, Any] = {"workload": name, "description": desc, "variants": {}, "errors": {}}
-
-    # Validate (and warm the code paths once) before timing; a failing variant is reported and not timed.
+def validate_variants(variants: dict[str, dict[str, Any]], errors: dict[str, str]) -> None:
+    """Runs every variant once (warming its code paths) and drops, reporting it in `errors`, one that raises or whose
+    output is not bitwise equal to plain's."""
     ref = variants["plain"]["fn"]()
     for vname, v in list(variants.items()):
         try:
             y = v["fn"]()
         except Exception as e:  # report and go on with the other variants
-            res["errors"][vname] = f"{type(e).__name__}: {e}"
+            errors[vname] = f"{type(e).__name__}: {e}"
             del variants[vname]
             continue
         if not bits_equal(y, ref):
-            res["errors"][vname] = "output differs from plain (expected bitwise equal)"
+            errors[vname] = "output differs from plain (expected bitwise equal)"
             del variants[vname]
 
-    # Ops per forward, as tapesac sees them.
+
+def count_ops(variants: dict[str, dict[str, Any]], x: torch.Tensor, errors: dict[str, str]) -> dict[str, int]:
+    """Ops per forward as tapesac sees them (sac_none's last step, record_ops) and as a Python dispatch mode does;
+    a mismatch between the first two is reported in `errors`."""
     ops = {}
     if "sac_none" in variants:
         st = variants["sac_none"]["sac"].last_step
@@ -240,18 +240,27 @@ def bench_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         ops["record_ops"] = len(tapesac.record_ops(variants["plain"]["mod"], x))
     except Exception as e:
-        res["errors"]["record_ops"] = f"{type(e).__name__}: {e}"
+        errors["record_ops"] = f"{type(e).__name__}: {e}"
     if "py_mode" in variants:
         mode = variants["py_mode"]["mode"]
         mode.count = 0
         variants["py_mode"]["fn"]()
         ops["py_mode_ops"] = mode.count
-    res["ops"] = ops
-    n_ops = ops.get("sac_ops_recorded") or ops.get("record_ops")
     if ops.get("sac_ops_recorded") is not None and ops.get("record_ops") is not None \
             and ops["sac_ops_recorded"] != ops["record_ops"]:
-        res["errors"]["op_count"] = (f"sac.last_step.ops_recorded={ops['sac_ops_recorded']} != "
-                                     f"len(record_ops)={ops['record_ops']} for the same forward")
+        errors["op_count"] = (f"sac.last_step.ops_recorded={ops['sac_ops_recorded']} != "
+                              f"len(record_ops)={ops['record_ops']} for the same forward")
+    return ops
+
+
+def bench_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    mod, x, desc = build_workload(name, args)
+    variants = make_variants(mod, x, args.variants)
+    res: dict[str, Any] = {"workload": name, "description": desc, "variants": {}, "errors": {}}
+    # Validate (and warm the code paths once) before timing; a failing variant is reported and not timed.
+    validate_variants(variants, res["errors"])
+    ops = res["ops"] = count_ops(variants, x, res["errors"])
+    n_ops = ops.get("sac_ops_recorded") or ops.get("record_ops")
 
     # Calibrate `inner` on plain, warmed up, so one sample lasts >= min_sample_ms (the quickest of 3 tries:
     # a busy machine must not shrink it).

@@ -152,6 +152,23 @@ void BlockCall::release(int32_t slot) noexcept {
 // nothing but live_ held when the backward began (held_for_replay_): the peak models count those from the forward's
 // end to the step's (Note [Sequence model in unusual steps], planner/peak_model.h), so they stay to the step's end.
 // Block inputs and parameters are read by the first ops: they stay while any dropped value has a handle.
+namespace {
+
+// Per value: the first op of the tape that reads it (max() for a value no op reads).
+std::vector<capture::OpIndex> first_readers(const Tape& tape) {
+  std::vector<capture::OpIndex> out(tape.values().size(), std::numeric_limits<capture::OpIndex>::max());
+  for (size_t i = 0; i < tape.ops().size(); ++i) {
+    for (const capture::ArgRef& a : tape.ops()[i].inputs) {
+      if (a.value < 0 || static_cast<size_t>(a.value) >= out.size()) continue;
+      capture::OpIndex& r = out[static_cast<size_t>(a.value)];
+      r = std::min(r, static_cast<capture::OpIndex>(i));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void BlockCall::release_kept_live() noexcept {
   if (!forward_closed_ || step_closed_ || approx_ != nullptr) return;
   const Tape& tape = recorder_.tape();
@@ -168,16 +185,7 @@ void BlockCall::release_kept_live() noexcept {
       latest = std::max(latest, writers[static_cast<size_t>(state) - 1]);
     }
   }
-  if (first_reader_.size() != tape.values().size()) {
-    first_reader_.assign(tape.values().size(), std::numeric_limits<capture::OpIndex>::max());
-    for (size_t i = 0; i < tape.ops().size(); ++i) {
-      for (const capture::ArgRef& a : tape.ops()[i].inputs) {
-        if (a.value < 0 || static_cast<size_t>(a.value) >= first_reader_.size()) continue;
-        capture::OpIndex& r = first_reader_[static_cast<size_t>(a.value)];
-        r = std::min(r, static_cast<capture::OpIndex>(i));
-      }
-    }
-  }
+  if (first_reader_.size() != tape.values().size()) first_reader_ = first_readers(tape);
   for (size_t k = 0; k < live_.size() && k < tape.values().size(); ++k) {
     if (!live_[k].defined()) continue;
     const capture::ValueInfo& info = tape.value(static_cast<ValueId>(k));

@@ -218,22 +218,28 @@ def test_micro_batches_release_memory_without_tapesac() -> None:
         assert alive(model, "fc1_out") == [] and alive(model, "gelu_out") == [] and alive(model, "input") == []
 
 
-class _KeptReadByReplay(torch.nn.Module):
-    """h = x @ w1 is saved twice by h * h; p.tanh() (saved twice: by tanh and by the next mm) is rebuilt from h."""
+class _WatchedBlock(torch.nn.Module):
+    """Two D x D weights and one watched tensor: watch(t) appends to alive_at_its_grad, when t's gradient is computed
+    (once the node that saved t, t * t in the subclasses, is done), whether t's storage is still alive."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.w1 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
         self.w2 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
-        self.h_ref: StorageWeakRef | None = None
         self.alive_at_its_grad: list[bool] = []
 
+    def watch(self, t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        t.register_hook(lambda g: self.alive_at_its_grad.append(not ref.expired()))
+        return t
+
+
+class _KeptReadByReplay(_WatchedBlock):
+    """h = x @ w1 is saved twice by h * h; p.tanh() (saved twice: by tanh and by the next mm) is rebuilt from h."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.w1
-        self.h_ref = StorageWeakRef(h.untyped_storage())
-        # Runs in the backward once h * h's node is done (its gradient is h's), before the first matmul's.
-        h.register_hook(lambda g: self.alive_at_its_grad.append(not self.h_ref.expired()))
+        h = self.watch(x @ self.w1)  # its gradient: once h * h's node is done, before the first matmul's
         return (h * h).tanh() @ self.w2
 
 
@@ -305,23 +311,12 @@ class _ExternalTimesTwo(torch.autograd.Function):
         return 2 * g
 
 
-class _ExternalReadByReplay(torch.nn.Module):
+class _ExternalReadByReplay(_WatchedBlock):
     """e = external(x @ w1) and a wrapped Python number read by (e * e * 0.5).tanh() @ w2: under policy "full" the
     replay of the tanh output reads e (kept, opaque) and the number."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.w1 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
-        self.e_ref: StorageWeakRef | None = None
-        self.alive_at_its_grad: list[bool] = []
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = _ExternalTimesTwo.apply(x @ self.w1)
-        self.e_ref = StorageWeakRef(e.untyped_storage())
-        # Runs in the backward once e * e's node is done (its gradient is e's), before the external's backward.
-        e.register_hook(lambda g: self.alive_at_its_grad.append(not self.e_ref.expired()))
+        e = self.watch(_ExternalTimesTwo.apply(x @ self.w1))  # its gradient: once e * e's node is done
         return (e * e * 0.5).tanh() @ self.w2
 
 

@@ -23,6 +23,8 @@ fi
 cmake --build "$BUILD" --parallel "${JOBS:-2}"
 so="$(find "$BUILD" -name '_C*.so' -newer CMakeLists.txt | head -n 1)"
 [ -n "$so" ] || { echo "sanitize.sh: no _C*.so under $BUILD" >&2; exit 1; }
+# A build that lost its flags (a cached configuration, an overridden CXXFLAGS) would pass without checking anything.
+ldd "$so" | grep -q libasan || { echo "sanitize.sh: $so is not linked against libasan (a stale $BUILD? remove it)" >&2; exit 1; }
 rm -rf "$BUILD/pkg" && mkdir -p "$BUILD/pkg"
 cp -r python/tapesac "$BUILD/pkg/tapesac"
 cp "$so" "$BUILD/pkg/tapesac/"

@@ -6,6 +6,8 @@ hidden 64, vocabulary 128, in train mode (the dropout of GPT-2, GPT-J, OPT, BLOO
 and trains three SGD steps under tapesac and without it: loss, every gradient, the parameters after each optimizer
 step and the RNG state are bitwise equal (`conftest.reference_check`). Blocks are the model's list of decoder layers.
 - `test_full`: `policy="full"` (every saved tensor of a layer dropped and rebuilt by replay).
+- `test_full_variants`: `full` on the emulated graph backend, in bf16 autocast, and an op set keeping the matrix
+  products and attention (the rest dropped).
 - `test_auto`: `policy="auto"` at a limit 30% of the way from `full`'s measured peak to `none`'s, so the plans drop
   part of what the layers save; every step must drop something.
 The architectures cover the attention and MLP variants in use (GQA, MQA, parallel attention/MLP blocks, partial
@@ -136,6 +138,30 @@ def step_peak(tapesac: Any, arch: str, policy: str, steps: int = 2) -> int:
 def test_full(arch: str) -> None:
     reference_check(lambda: make_model(arch), inputs, "full", layers, loss_fn, steps=3, optimizer=sgd,
                     block_calls=2)
+
+
+# What an op-set policy keeps: the products and attention; everything else a layer saves is dropped.
+KEEP_PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                           "aten::_scaled_dot_product_flash_attention_for_cpu"})
+
+
+def bf16_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return loss_fn(model, ids)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("variant", ["emulated_graph", "autocast_bf16", "op_set"])
+def test_full_variants(arch: str, variant: str) -> None:
+    policy, loss, kwargs = "full", loss_fn, {}
+    if variant == "emulated_graph":
+        kwargs = {"backend": "emulated_graph"}
+    elif variant == "autocast_bf16":
+        loss = bf16_loss
+    else:
+        policy = KEEP_PRODUCTS
+    reference_check(lambda: make_model(arch), inputs, policy, layers, loss, steps=2, optimizer=sgd, block_calls=2,
+                    sac_kwargs=kwargs)
 
 
 @pytest.mark.parametrize("arch", AUTO_ARCHS)

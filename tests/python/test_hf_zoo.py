@@ -13,7 +13,12 @@ step and the RNG state are bitwise equal (`conftest.reference_check`). Blocks ar
 The architectures cover the attention and MLP variants in use (GQA, MQA, parallel attention/MLP blocks, partial
 rotary, sliding windows, QK norms, MLA), mixtures of experts (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3, GPT-OSS, Jamba,
 Qwen3-Next), and state-space / convolution mixers (Mamba, Mamba2, LFM2, Qwen3-Next's linear attention) on their
-reference (non-kernel) paths. An architecture the installed transformers does not know is skipped, naming the
+reference (non-kernel) paths.
+- `test_other_tasks`: encoder-decoders (T5, BART, mBART, Pegasus: encoder and decoder layers are blocks), encoders
+  with padding masks (BERT, RoBERTa, DeBERTa-v2, ELECTRA, DistilBERT, ModernBERT, ALBERT: one shared layer called
+  twice) and vision models (ViT, DINOv2, Swin, ConvNeXt with drop path, ResNet with BatchNorm), under `full` on the
+  eager and the emulated graph backends.
+An architecture the installed transformers does not know is skipped, naming the
 version; any other error fails.
 """
 
@@ -85,15 +90,20 @@ AUTO_ARCHS = [a for a in ARCHS if a != "jamba"]
 BATCH, SEQ = 2, 48
 
 
-def make_model(arch: str) -> nn.Module:
+def _config(arch: str, overrides: dict[str, Any]) -> Any:
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if arch not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no model type {arch!r}")
-    config = AutoConfig.for_model(arch, **{**_COMMON, **ARCHS[arch]})
-    return AutoModelForCausalLM.from_config(config).float()
+    return AutoConfig.for_model(arch, **overrides)
+
+
+def make_model(arch: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(_config(arch, {**_COMMON, **ARCHS[arch]})).float()
 
 
 def layers(model: nn.Module) -> nn.ModuleList:
@@ -175,3 +185,85 @@ def test_auto(tapesac: Any, arch: str) -> None:
     assert all(s.dropped_tensors < s.saved_tensors for s in planned), (
         f"{arch}: a planned step dropped every saved tensor at a limit above full's peak: "
         f"{[(s.dropped_tensors, s.saved_tensors) for s in planned]}")
+
+
+# Other tasks: model_type -> (Auto class name, config overrides, task).
+_TEXT = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+_ENC = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64)
+_S2S = dict(d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.1, max_position_embeddings=64)
+OTHER: dict[str, tuple[str, dict[str, Any], str]] = {
+    "t5": ("AutoModelForSeq2SeqLM", dict(d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                         d_kv=16, dropout_rate=0.1), "seq2seq"),
+    "bart": ("AutoModelForSeq2SeqLM", _S2S, "seq2seq"),
+    "mbart": ("AutoModelForSeq2SeqLM", _S2S, "seq2seq"),
+    "pegasus": ("AutoModelForSeq2SeqLM", _S2S, "seq2seq"),
+    "bert": ("AutoModelForSequenceClassification", _ENC, "classify"),
+    "roberta": ("AutoModelForSequenceClassification", _ENC, "classify"),
+    "deberta-v2": ("AutoModelForSequenceClassification", _ENC, "classify"),
+    "distilbert": ("AutoModelForSequenceClassification",
+                   dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=64), "classify"),
+    "electra": ("AutoModelForMaskedLM", dict(_ENC, embedding_size=64), "masked"),
+    "modernbert": ("AutoModelForMaskedLM", _ENC, "masked"),
+    "albert": ("AutoModelForMaskedLM", dict(_ENC, embedding_size=32), "masked"),
+    "vit": ("AutoModelForImageClassification", dict(_ENC, image_size=32, patch_size=8, num_labels=2,
+                                                    hidden_dropout_prob=0.1), "image"),
+    "dinov2": ("AutoModelForImageClassification", dict(_ENC, image_size=32, patch_size=8, num_labels=2), "image"),
+    "swin": ("AutoModelForImageClassification", dict(embed_dim=16, depths=[2, 2], num_heads=[2, 4], image_size=32,
+                                                     patch_size=4, window_size=4, num_labels=2, drop_path_rate=0.1),
+             "image"),
+    "convnext": ("AutoModelForImageClassification", dict(hidden_sizes=[16, 32], depths=[2, 2], num_stages=2,
+                                                         image_size=32, num_labels=2, drop_path_rate=0.1), "image"),
+    "resnet": ("AutoModelForImageClassification", dict(hidden_sizes=[16, 32], depths=[2, 2], embedding_size=16,
+                                                       num_labels=2), "image"),
+}
+
+
+def make_other(arch: str) -> nn.Module:
+    import transformers
+
+    auto_name, overrides, task = OTHER[arch]
+    config = _config(arch, {**(_TEXT if task != "image" else {}), **overrides})
+    return getattr(transformers, auto_name).from_config(config).float()
+
+
+def other_blocks(model: nn.Module) -> list[nn.Module]:
+    """ALBERT: its one shared layer (called twice per step); otherwise every module of the outermost ModuleLists of
+    two or more modules with parameters (an encoder-decoder's encoder and decoder layers, a vision model's stages)."""
+    albert = [m for m in model.modules() if type(m).__name__ == "AlbertLayer"]
+    if albert:
+        return albert
+    lists: list[tuple[str, nn.ModuleList]] = []
+    for name, m in model.named_modules():
+        if (isinstance(m, nn.ModuleList) and len(m) >= 2 and all(any(p.numel() for p in c.parameters()) for c in m)
+                and not any(name.startswith(outer + ".") for outer, _ in lists)):
+            lists.append((name, m))
+    assert lists, f"{type(model).__name__}: no list of layers"
+    return [b for _, blocks in lists for b in blocks]
+
+
+def other_inputs(task: str) -> Any:
+    def make() -> dict[str, torch.Tensor]:
+        if task == "image":
+            return {"pixel_values": torch.randn(BATCH, 3, 32, 32), "labels": torch.tensor([0, 1])}
+        ids = torch.randint(3, 128, (BATCH, 24))  # [batch, seq]
+        mask = torch.ones_like(ids)
+        mask[0, -5:] = 0  # the first sequence padded
+        if task == "seq2seq":
+            return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(3, 128, (BATCH, 12))}
+        if task == "classify":
+            return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    return make
+
+
+def kwargs_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+@pytest.mark.parametrize("arch", list(OTHER))
+@pytest.mark.parametrize("backend", ["eager", "emulated_graph"])
+def test_other_tasks(arch: str, backend: str) -> None:
+    reference_check(lambda: make_other(arch), other_inputs(OTHER[arch][2]), "full", other_blocks, kwargs_loss,
+                    steps=2, optimizer=sgd, sac_kwargs={"backend": backend})

@@ -23,6 +23,17 @@ namespace {
 
 thread_local Recorder* t_current = nullptr;
 
+// Note [Recorder scratch reused]. The identity maps and their weak references (RecorderIdentity) serve a recording
+// only while it runs. Freed at every block call's end and allocated again at the next one's start, they cost each
+// block call a few large allocations and frees (on glibc each large one also consolidates the fast bins). stop()
+// hands them, emptied, to the next recording on the same thread instead: one spare per thread, since recordings on a
+// thread do not nest.
+struct SpareIdentity {
+  bool filled = false;
+  RecorderIdentity id;
+};
+thread_local SpareIdentity t_spare;
+
 bool contains_tensor(const c10::IValue& v) {
   if (v.isTensor()) return v.toTensor().defined();
   if (v.isTensorList()) return v.toTensorList().size() > 0;
@@ -124,18 +135,22 @@ void Recorder::start() {
     throw std::runtime_error(
         "tapesac: a recorder is already active on this thread; blocks cannot record inside one another");
   }
+  if (t_spare.filled) {  // Note [Recorder scratch reused]
+    std::swap(id_, t_spare.id);
+    t_spare.filled = false;
+  }
   const size_t n = std::max<size_t>(options_.expected_ops, 16);
   tape_.reserve(n, 3 * n, 2 * n);
   payloads_.reserve(n);
   live_.reserve(3 * n);
   call_stack_.reserve(64);
   open_.reserve(16);
-  impl_value_.reserve(3 * n);
-  impl_refs_.reserve(3 * n);
-  storage_id_.reserve(2 * n);
-  storage_refs_.reserve(2 * n);
-  last_value_of_storage_.reserve(2 * n);
-  prev_value_same_storage_.reserve(3 * n);
+  id_.impl_value.reserve(3 * n);
+  id_.impl_refs.reserve(3 * n);
+  id_.storage_id.reserve(2 * n);
+  id_.storage_refs.reserve(2 * n);
+  id_.last_value_of_storage.reserve(2 * n);
+  id_.prev_value_same_storage.reserve(3 * n);
   const RecorderHook hook = resolve_recorder_hook(options_.hook);
   if (hook == RecorderHook::kDispatchKey) {
     dispatch_hook::attach(this);  // throws std::logic_error when the hook is not available
@@ -205,13 +220,13 @@ void Recorder::stop() noexcept {
   finish_timer();
   call_stack_.clear();
   open_.clear();
-  // Identity maps are only needed while the block runs; dropping them releases the weak references.
-  impl_value_.clear();
-  impl_refs_.clear();
-  storage_id_.clear();
-  storage_refs_.clear();
-  last_value_of_storage_.clear();
-  prev_value_same_storage_.clear();
+  // Identity maps are only needed while the block runs; emptying them releases the weak references. Emptied, they
+  // go to the thread's next recording (Note [Recorder scratch reused]).
+  id_.reset();
+  if (!t_spare.filled) {
+    std::swap(id_, t_spare.id);
+    t_spare.filled = true;
+  }
   cover_.clear();
 }
 
@@ -348,14 +363,14 @@ const OpInfo* Recorder::should_record(const CallView& call) {
 
 StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
   const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
-  const StorageId known = storage_id_.find(key);
+  const StorageId known = id_.storage_id.find(key);
   if (known != PtrIndexMap::kMissing) return known;
   if (!create_external) return -1;
   const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
   const StorageId s = tape_.add_storage(/*external=*/true, nbytes);
-  storage_id_.assign(key, s);
-  if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
-  last_value_of_storage_.push_back(-1);
+  id_.storage_id.assign(key, s);
+  if (t.has_storage()) id_.storage_refs.emplace_back(t.storage().getWeakStorageImpl());
+  id_.last_value_of_storage.push_back(-1);
   return s;
 }
 
@@ -377,20 +392,20 @@ bool Recorder::opaque(ValueId v, const TensorMeta& view) const {
 
 ValueId Recorder::lookup(const at::Tensor& t) const {
   if (!t.defined()) return -1;
-  const ValueId latest = impl_value_.find(t.unsafeGetTensorImpl());
+  const ValueId latest = id_.impl_value.find(t.unsafeGetTensorImpl());
   if (latest != PtrIndexMap::kMissing) return latest;
-  const StorageId storage = storage_id_.find(storage_key(t));
+  const StorageId storage = id_.storage_id.find(storage_key(t));
   if (storage == PtrIndexMap::kMissing) return -1;
   const TensorMeta m = meta_of(t);
-  for (ValueId c = last_value_of_storage_[static_cast<size_t>(storage)]; c >= 0;
-       c = prev_value_same_storage_[static_cast<size_t>(c)]) {
+  for (ValueId c = id_.last_value_of_storage[static_cast<size_t>(storage)]; c >= 0;
+       c = id_.prev_value_same_storage[static_cast<size_t>(c)]) {
     if (tape_.value(c).meta.same_view(m)) return c;
   }
   return -1;
 }
 
 ValueId Recorder::find_value_of_impl(const c10::TensorImpl* impl) const {
-  const ValueId v = impl_value_.find(impl);
+  const ValueId v = id_.impl_value.find(impl);
   if (v == PtrIndexMap::kMissing) return -1;
   return opaque(v, tape_.value(v).meta) ? -1 : v;
 }
@@ -403,17 +418,17 @@ ValueId Recorder::add_external(const at::Tensor& t, StorageId s) {
     origins_.resize(static_cast<size_t>(v) + 1, c10::weak_intrusive_ptr<c10::TensorImpl>(c10::intrusive_ptr<c10::TensorImpl>()));
   }
   origins_[static_cast<size_t>(v)] = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
-  if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
-    impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+  if (id_.impl_value.assign(t.unsafeGetTensorImpl(), v)) {
+    id_.impl_refs.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
   }
   link_value(v, s);
   return v;
 }
 
 void Recorder::link_value(ValueId v, StorageId s) {
-  if (prev_value_same_storage_.size() <= static_cast<size_t>(v)) prev_value_same_storage_.resize(static_cast<size_t>(v) + 1, -1);
-  prev_value_same_storage_[static_cast<size_t>(v)] = last_value_of_storage_[static_cast<size_t>(s)];
-  last_value_of_storage_[static_cast<size_t>(s)] = v;
+  if (id_.prev_value_same_storage.size() <= static_cast<size_t>(v)) id_.prev_value_same_storage.resize(static_cast<size_t>(v) + 1, -1);
+  id_.prev_value_same_storage[static_cast<size_t>(v)] = id_.last_value_of_storage[static_cast<size_t>(s)];
+  id_.last_value_of_storage[static_cast<size_t>(s)] = v;
 }
 
 ValueId Recorder::value_for_input(const at::Tensor& t) {
@@ -459,7 +474,7 @@ void Recorder::externalize_unwritten(Frame& f, OpRecord& rec, c10::ArrayRef<c10:
   auto visit = [&](const at::Tensor& t) {
     if (!t.defined()) return;
     any_output = true;
-    if (storage_id_.find(storage_key(t)) == PtrIndexMap::kMissing) view = false;
+    if (id_.storage_id.find(storage_key(t)) == PtrIndexMap::kMissing) view = false;
   };
   for (const c10::IValue& o : outputs) {
     if (!view) break;
@@ -668,7 +683,7 @@ bool Recorder::composite_ran_itself(const Frame& f, c10::ArrayRef<c10::IValue> o
       if (contains_tensor(o)) return true;
       continue;
     }
-    const ValueId known = impl_value_.find(o.toTensor().unsafeGetTensorImpl());
+    const ValueId known = id_.impl_value.find(o.toTensor().unsafeGetTensorImpl());
     if (known == PtrIndexMap::kMissing || tape_.value(known).producer >= f.tape_size) return true;
   }
   return false;
@@ -687,14 +702,14 @@ void Recorder::register_output(OpRecord& rec, const at::Tensor& t, OutputScan& s
   }
   scan.cuda = scan.cuda || t.is_cuda();
   const auto* key = static_cast<const c10::StorageImpl*>(storage_key(t));
-  StorageId s = storage_id_.find(key);
+  StorageId s = id_.storage_id.find(key);
   int32_t state;
   if (s == PtrIndexMap::kMissing) {
     const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
     s = tape_.add_storage(/*external=*/false, nbytes);
-    storage_id_.assign(key, s);
-    if (t.has_storage()) storage_refs_.emplace_back(t.storage().getWeakStorageImpl());
-    last_value_of_storage_.push_back(-1);
+    id_.storage_id.assign(key, s);
+    if (t.has_storage()) id_.storage_refs.emplace_back(t.storage().getWeakStorageImpl());
+    id_.last_value_of_storage.push_back(-1);
     rec.writes.push_back(s);
     scan.any_new_storage = true;
     state = 1;
@@ -703,8 +718,8 @@ void Recorder::register_output(OpRecord& rec, const at::Tensor& t, OutputScan& s
     state = tape_.state_of(s) + (written ? 1 : 0);
   }
   const ValueId v = tape_.add_output_value(s, state, meta_of(t));
-  if (impl_value_.assign(t.unsafeGetTensorImpl(), v)) {
-    impl_refs_.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+  if (id_.impl_value.assign(t.unsafeGetTensorImpl(), v)) {
+    id_.impl_refs.emplace_back(c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
   }
   link_value(v, s);
   rec.outputs.push_back(v);

@@ -284,9 +284,9 @@ KeepDecision BlockCall::decide() {
   // Note [Decisions reused]; approximation changes the decision after it is made (prepare_approx), so it decides
   // afresh.
   if (ctx_.decisions != nullptr && ctx_.approx == nullptr) {
-    std::vector<int64_t> key;
-    decision_key(in, key);
     DecisionMemo& m = (*ctx_.decisions)[name_];
+    std::vector<int64_t>& key = m.scratch;
+    decision_key(in, key);
     if (!m.key.empty() && m.key == key) {
       d = m.decision;
       closed_stats_.decision_reused = 1;
@@ -296,7 +296,7 @@ KeepDecision BlockCall::decide() {
       if (d.policy_failed) {
         m.key.clear();
       } else {
-        m.key = std::move(key);
+        m.key.swap(key);
         m.decision = d;
       }
     }

@@ -50,3 +50,32 @@ TEST(PtrIndexMap, MatchesStdUnorderedMapUnderGrowth) {
     EXPECT_EQ(m.find(&o), it == ref.end() ? PtrIndexMap::kMissing : it->second);
   }
 }
+
+TEST(PtrIndexMap, ResetEmptiesAndTheTableServesAgain) {
+  // Note [Recorder scratch reused]: a reset map is handed to the next recording; nothing of the last one may remain.
+  std::vector<int> objects(300);
+  PtrIndexMap m;
+  for (int32_t i = 0; i < 300; ++i) m.assign(&objects[static_cast<size_t>(i)], i);
+  m.reset();
+  EXPECT_EQ(m.size(), 0u);
+  for (const int& o : objects) EXPECT_EQ(m.find(&o), PtrIndexMap::kMissing);
+  for (int32_t i = 0; i < 300; i += 2) EXPECT_TRUE(m.assign(&objects[static_cast<size_t>(i)], 1000 + i));
+  for (int32_t i = 0; i < 300; ++i) {
+    EXPECT_EQ(m.find(&objects[static_cast<size_t>(i)]), i % 2 == 0 ? 1000 + i : PtrIndexMap::kMissing);
+  }
+}
+
+TEST(PtrIndexMap, SwapExchangesContents) {
+  int a = 0, b = 0;
+  PtrIndexMap m, n;
+  m.assign(&a, 1);
+  n.assign(&b, 2);
+  n.assign(&a, 3);
+  m.swap(n);
+  EXPECT_EQ(m.size(), 2u);
+  EXPECT_EQ(m.find(&a), 3);
+  EXPECT_EQ(m.find(&b), 2);
+  EXPECT_EQ(n.size(), 1u);
+  EXPECT_EQ(n.find(&a), 1);
+  EXPECT_EQ(n.find(&b), PtrIndexMap::kMissing);
+}

@@ -5,6 +5,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace tapesac::capture {
@@ -53,6 +55,18 @@ class PtrIndexMap {
     slots_.shrink_to_fit();
     mask_ = 0;
     size_ = 0;
+  }
+
+  /// Empties the table and keeps its capacity (a recorder's scratch handed to the next recording).
+  void reset() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    size_ = 0;
+  }
+
+  void swap(PtrIndexMap& other) noexcept {
+    slots_.swap(other.slots_);
+    std::swap(mask_, other.mask_);
+    std::swap(size_, other.size_);
   }
 
   size_t size() const { return size_; }

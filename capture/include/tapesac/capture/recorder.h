@@ -37,6 +37,28 @@ namespace tapesac::capture {
 
 class Recorder;
 
+/// What a recording needs only while it runs: tensor and storage identities. Emptied by Recorder::stop(), which hands
+/// it, capacity kept, to the thread's next recording (Note [Recorder scratch reused] in recorder.cpp).
+struct RecorderIdentity {
+  PtrIndexMap impl_value;  // TensorImpl -> its latest value
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs;
+  PtrIndexMap storage_id;  // StorageImpl (or TensorImpl without storage) -> storage
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_refs;
+  // Values of each storage as a linked list, newest first (no allocation per storage).
+  std::vector<ValueId> last_value_of_storage;
+  std::vector<ValueId> prev_value_same_storage;
+
+  /// Empties every part, keeping capacities.
+  void reset() {
+    impl_value.reset();
+    impl_refs.clear();
+    storage_id.reset();
+    storage_refs.clear();
+    last_value_of_storage.clear();
+    prev_value_same_storage.clear();
+  }
+};
+
 /// Told after each recorded op has been appended (used to resolve saved tensors that are that op's outputs).
 class RecorderListener {
  public:
@@ -212,13 +234,7 @@ class Recorder : private CallObserver {
   std::vector<at::Tensor> live_;
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> origins_;
 
-  PtrIndexMap impl_value_;  // TensorImpl -> its latest value
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs_;
-  PtrIndexMap storage_id_;  // StorageImpl (or TensorImpl without storage) -> storage
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_refs_;
-  // Values of each storage as a linked list, newest first (no allocation per storage).
-  std::vector<ValueId> last_value_of_storage_;
-  std::vector<ValueId> prev_value_same_storage_;
+  RecorderIdentity id_;  // while recording (emptied by stop())
   // Per storage: the bytes recorded ops wrote since its last uninitialising write; null when not tracked (created by
   // an op that sets its bytes, or external). Empty until an uninitialising op runs.
   std::vector<std::unique_ptr<ByteCover>> cover_;

@@ -114,6 +114,7 @@ void decision_key(const DecisionInput& in, std::vector<int64_t>& key);
 /// (BlockCall::trim_live()).
 struct DecisionMemo {
   std::vector<int64_t> key;     // decision_key() of the input decided; empty: nothing to reuse
+  std::vector<int64_t> scratch; // the next call's key is built here (its capacity kept across steps)
   KeepDecision decision;
   std::vector<uint8_t> needed;  // per value: a live tensor replay reads (valid when has_needed)
   bool has_needed = false;

@@ -51,7 +51,7 @@ setup:
 	fi
 	@missing=""; \
 	for spec in transformers:transformers accelerate:accelerate tqdm:tqdm pytest:pytest hypothesis:hypothesis \
-	            matplotlib:matplotlib numpy:numpy scikit-build-core:scikit_build_core pybind11:pybind11; do \
+	            matplotlib:matplotlib numpy:numpy scikit-build-core:scikit_build_core pybind11:pybind11 peft:peft; do \
 		pkg=$${spec%%:*}; mod=$${spec##*:}; \
 		$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$$mod') is None)" \
 			|| missing="$$missing $$pkg"; \

@@ -101,7 +101,8 @@ void bind_runtime(py::module_& m) {
   c.def(py::init(&make_runtime), py::arg("session"), py::arg("plan"), py::arg("memory_limit"),
         py::arg("preserve"), py::arg("schedules") = false, py::arg("schedule_budget") = -1.0,
         py::keep_alive<1, 2>())
-      .def("before_step", &Runtime::before_step)
+      .def("before_step", py::overload_cast<>(&Runtime::before_step))
+      .def("before_step", py::overload_cast<const std::vector<at::Tensor>&>(&Runtime::before_step), py::arg("params"))
       .def("after_step", &Runtime::after_step, py::arg("measured_peak_bytes"), py::arg("step"))
       .def("set_memory_limit", &Runtime::set_memory_limit, py::arg("bytes"))
       .def_property_readonly("memory_limit", &Runtime::memory_limit)

@@ -189,8 +189,11 @@ class TapeSAC:
         params = self._tensors()
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
+        # The step's enforced limit (none while measuring); a plan the grown baseline would put over the limit is
+        # replaced first, or the step refused (MemoryLimitError) before anything of it is installed (Note [Baseline
+        # grown before the step], runtime/src/runtime.cpp).
+        self._runtime.before_step(params)
         self._conflicts.before_step()
-        self._runtime.before_step()  # the step's enforced limit (none while measuring)
         self._session.begin_step(params)
         _thread_state.active = self
         self._in_step = True

@@ -104,7 +104,8 @@ AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
 
 AutoPlanner::~AutoPlanner() { session_.set_tape_observer(nullptr); }
 
-PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes, int64_t measured_full_bytes) {
+PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes, int64_t measured_full_bytes,
+                           int64_t baseline_shift) {
   TAPESAC_CHECK(!calls_.empty(), kGeneric,
                 "tapesac: the planner has no measured step yet; run one `with sac.step():` first");
   const common::Stopwatch clock;
@@ -123,13 +124,13 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
     seq_baseline_ = baseline;
   } else if (seq_.backward_c.size() != calls_.size()) {
     seq_ = planner::SequencePeakModel{};
-  } else {
-    seq_.baseline_shift = baseline - seq_baseline_;
   }
+  if (seq_.valid) seq_.baseline_shift = baseline + baseline_shift - seq_baseline_;
   const bool use_seq = options_.sequence_model && seq_.valid;
   // Keeping everything is one plan whose peak the last step's timeline bounds directly (Note [Keep-everything
-  // ceiling]); with fixed masks it is not a choice.
-  const int64_t ceiling = options_.fixed_masks ? INT64_MAX : keep_all_ceiling(prep, measured_peak);
+  // ceiling]); with fixed masks it is not a choice. The timeline is the last step's: shifted like its peak.
+  int64_t ceiling = options_.fixed_masks ? INT64_MAX : keep_all_ceiling(prep, measured_peak - baseline_shift);
+  if (ceiling != INT64_MAX) ceiling += baseline_shift;
   planner::StepPlan plan;
   try {
     plan = plan_under_ceiling(prep.input, use_seq, model, limit, ceiling);

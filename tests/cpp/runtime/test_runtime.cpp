@@ -41,9 +41,15 @@ int64_t measured_peak(const Session& s) { return s.last_memory().baseline + s.la
 /// sigmoid's results packed as autograd saves them), a backward that unpacks in reverse block order, end_step.
 /// Returns the measured peak. Keeping a block's two values costs more than the input its replay holds: dropping saves
 /// memory (measured: the keep-everything ceiling, Note [Keep-everything ceiling], counts that input once).
-int64_t run_step(Session& s, Runtime& rt, const torch::Tensor& w, int64_t rows) {
-  rt.before_step();
-  s.begin_step({w});
+int64_t run_step(Session& s, Runtime& rt, const torch::Tensor& w, int64_t rows,
+                 const std::vector<torch::Tensor>* params = nullptr) {
+  if (params != nullptr) {
+    rt.before_step(*params);
+    s.begin_step(*params);
+  } else {
+    rt.before_step();
+    s.begin_step({w});
+  }
   std::vector<std::unique_ptr<SavedSlot>> saved;
   torch::Tensor x = torch::randn({rows, kDim});
   for (const char* name : {"b0", "b1", "b2", "b3"}) {
@@ -296,6 +302,47 @@ TEST(Runtime, ALimitAtTheKeepEverythingPeakKeepsEverything) {
   EXPECT_EQ(rt.plans().size(), probing ? 2u : 1u);
   if (probing) {
     EXPECT_EQ(rt.plans()[1].reason, "after the keep-everything probe");
+  }
+  s->shutdown();
+}
+
+// Note [Baseline grown before the step]: a gradient that appears between steps (kept, not set to None) grows the
+// baseline. The plan made after the first step for the smaller baseline keeps everything, which the grown one would
+// put over the limit: it is replaced before step 2, which drops and runs within the limit.
+TEST(Runtime, ABaselineThatGrewBeforeTheStepIsPlannedFor) {
+  const auto w = torch::randn({kDim, kDim});
+  torch::Tensor extra = torch::zeros({kDim, kDim});  // a parameter whose gradient appears after the first step
+  const std::vector<torch::Tensor> params{w, extra};
+  const int64_t grad_bytes = extra.numel() * static_cast<int64_t>(sizeof(float));
+  int64_t all = 0;  // keeping everything, without the gradient
+  {
+    auto s = make_session(PolicyKind::kPlan);
+    Runtime rt(*s, auto_options(int64_t{1} << 30));
+    rt.after_step(run_step(*s, rt, w, 64, &params), 1);
+    all = run_step(*s, rt, w, 64, &params);
+    s->shutdown();
+  }
+  const int64_t limit = all + grad_bytes / 2;
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(limit));
+  rt.after_step(run_step(*s, rt, w, 64, &params), 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  ASSERT_TRUE(rt.plan()->keeps_everything) << rt.plan()->reason;
+  extra.mutable_grad() = torch::ones_like(extra);
+  ASSERT_EQ(s->baseline_of(params), s->last_memory().baseline + grad_bytes);
+  for (int step = 2; step <= 3; ++step) {
+    const int64_t peak = run_step(*s, rt, w, 64, &params);
+    EXPECT_LE(peak, limit) << "step " << step;
+    if (step == 2) {
+      ASSERT_NE(rt.plan(), nullptr);
+      EXPECT_EQ(rt.plan()->reason, "the baseline grew by " + std::to_string(grad_bytes) + " bytes before step 2");
+      EXPECT_FALSE(rt.plan()->keeps_everything);
+      EXPECT_LE(rt.plan()->predicted_peak_bytes, limit);
+      int64_t dropped = 0;
+      for (const auto& b : s->last_stats()) dropped += b.dropped_tensors;
+      EXPECT_GT(dropped, 0);
+    }
+    rt.after_step(peak, step);
   }
   s->shutdown();
 }

@@ -103,8 +103,11 @@ class Session {
   /// again by the next begin_step()) and releases the captured graphs (later replays are eager). Never throws.
   void shutdown() noexcept;
 
- private:
+  /// The memory baseline begin_step(params) records: the distinct storages of `params` and of their gradients, plus
+  /// the captured graphs' static bytes.
   int64_t baseline_of(const std::vector<at::Tensor>& params);
+
+ private:
   BlockContext block_context(const std::string& name);
   void collect_block_stats() noexcept;
   void remember_order(const BlockCall& b);

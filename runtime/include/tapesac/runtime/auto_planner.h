@@ -90,7 +90,10 @@ class AutoPlanner {
   /// margin, reason and step are the caller's). Throws tapesac::Error: kGeneric before any observed call,
   /// kMemoryLimit when no plan fits the limit. `margin_bytes`: the replan margin already taken off the user's limit
   /// (`limit` + margin is the user's), and `measured_full_bytes` (infeasible_limit_message), for the error message.
-  PlanInfo plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes = 0, int64_t measured_full_bytes = INT64_MAX);
+  /// `baseline_shift`: how much the baseline of the step planned for exceeds the last step's (Note [Baseline grown
+  /// before the step] in runtime.cpp); `measured_peak` and `measured_full_bytes` are already shifted by it.
+  PlanInfo plan(int64_t limit, int64_t measured_peak, int64_t margin_bytes = 0, int64_t measured_full_bytes = INT64_MAX,
+                int64_t baseline_shift = 0);
 
   /// Installs planner::least_memory_plan of the observed calls (the masks and single replays auto's measuring
   /// step ran with) and returns its PlanInfo with `predicted_peak` as its prediction (a measured figure: Note

@@ -89,6 +89,10 @@ class Runtime {
 
   /// Before the session's begin_step(): forgets the planner's calls and sets the step's enforced limit (returned).
   int64_t before_step();
+  /// The same for a step whose parameters are `params` (what begin_step() will get): first, a plan predicted over the
+  /// limit once shifted by how much the step's baseline grew since the plan was made is replaced by one planned for
+  /// that baseline (Note [Baseline grown before the step]). Throws tapesac::Error (kMemoryLimit) when none fits.
+  int64_t before_step(const std::vector<at::Tensor>& params);
   /// After a finished step whose measured peak was `measured_peak_bytes` (`step`: its number, 1 for the first):
   /// re-plans if needed and updates the preservation choices.
   void after_step(int64_t measured_peak_bytes, int64_t step);
@@ -110,6 +114,19 @@ class Runtime {
 
  private:
   void replan_if_needed(int64_t measured_peak_bytes, int64_t step);
+  /// Note [Baseline grown before the step]: re-plans for a step whose baseline is `baseline` bytes, of which
+  /// `params_baseline` are the parameters and their gradients (the rest: captured graphs' statics, which the plans
+  /// reserve for as graph memory).
+  void replan_for_baseline(int64_t baseline, int64_t params_baseline);
+  /// The plan for the observed calls under the limit less `d`'s margin (a reserve for pending graphs, the measured
+  /// fallback, the probe when `measuring`); `measured`: the last step's peak shifted to `baseline` (the step planned
+  /// for; the last step's own when equal). Says why in `reason`.
+  ReservedPlan make_plan(const ReplanDecision& d, int64_t measured, int64_t baseline, bool measuring,
+                         std::string* reason);
+  /// Installs `r` as the plan in use, made after step `step` (peak `measured`) for a step of `baseline` bytes
+  /// (`params_baseline` of them the parameters and their gradients; -1: not known).
+  void install_plan(ReservedPlan r, const ReplanDecision& d, const std::string& reason, int64_t step,
+                    int64_t measured, int64_t baseline, int64_t params_baseline);
   /// The peak of the last step whose calls all ran without a plan, shifted to `baseline` (the last step's), when the
   /// last step's calls have the same tapes (Note [Measured fallback]); INT64_MAX otherwise.
   int64_t measured_full_peak(int64_t baseline) const;
@@ -131,7 +148,13 @@ class Runtime {
   ReplanPolicy replan_;
   PreservationChooser chooser_;
   std::optional<PlanInfo> plan_;
-  int64_t plan_baseline_ = 0;  // the baseline of the step plan_ was made after
+  int64_t plan_baseline_ = 0;  // the baseline of the step plan_ was made for
+  int64_t last_measured_ = 0;  // the last finished step's peak and number (after_step)
+  int64_t last_step_ = 0;
+  // The parameters' and gradients' bytes of the step plan_ was made for, and of the step begun last (-1: not known,
+  // before_step() without parameters).
+  int64_t plan_params_baseline_ = -1;
+  int64_t step_params_baseline_ = -1;
   // The last step whose calls all ran without a plan (Note [Measured fallback]).
   struct MeasuredStep {
     int64_t peak_bytes = 0;

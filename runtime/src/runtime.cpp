@@ -50,11 +50,14 @@ void Runtime::apply_unplanned_schedule() {
 }
 
 int64_t Runtime::before_step(const std::vector<at::Tensor>& params) {
-  const int64_t baseline = session_.baseline_of(params);
-  const replay::GraphCache* graphs = session_.graph_cache();
-  const int64_t params_baseline = baseline - (graphs ? graphs->static_bytes() : 0);
-  replan_for_baseline(baseline, params_baseline);
-  step_params_baseline_ = params_baseline;
+  // Only plans under a limit depend on the baseline: no pass over the parameters otherwise.
+  if (planner_ && limit_ > 0) {
+    const int64_t baseline = session_.baseline_of(params);
+    const replay::GraphCache* graphs = session_.graph_cache();
+    const int64_t params_baseline = baseline - (graphs ? graphs->static_bytes() : 0);
+    replan_for_baseline(baseline, params_baseline);
+    step_params_baseline_ = params_baseline;
+  }
   return before_step();
 }
 
@@ -72,10 +75,7 @@ int64_t Runtime::before_step(const std::vector<at::Tensor>& params) {
 // and gradients' growth counts here: a graph captured since holds static bytes the plan reserved room for
 // (graph_reserve.h); they enter the baseline at once (test_graph_backend.py::test_planner_leaves_room_for_the_graphs).
 void Runtime::replan_for_baseline(int64_t baseline, int64_t params_baseline) {
-  if (!planner_ || !plan_ || limit_ <= 0 || lazy_fallback_ || probe_running_ || last_step_ == 0 ||
-      plan_params_baseline_ < 0) {
-    return;
-  }
+  if (!plan_ || lazy_fallback_ || probe_running_ || plan_params_baseline_ < 0) return;  // plan_: made after a step
   const int64_t growth = params_baseline - plan_params_baseline_;
   if (growth <= 0 || plan_->predicted_peak_bytes + growth <= limit_ - plan_->margin_bytes) return;
   ReplanDecision d;

@@ -221,6 +221,40 @@ def check_stats(stats: Any, policy: Any, *, expect_drop: bool | None = None, exp
             f"ops_replayed is {stats.ops_replayed}")
 
 
+def peak_of_policy(make_model: Callable[[], nn.Module], blocks: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                   make_inputs: Callable[[], Any], policy: str, steps: int = 2) -> int:
+    """The largest step peak of `steps` steps of `policy` on a fresh model (seeded as reference_check seeds it;
+    `blocks` as there: a spec or a function model -> spec), gradients set to None between steps."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = make_model().train()
+    sac = tapesac.TapeSAC(model, blocks=blocks(model) if isinstance(blocks, types.FunctionType) else blocks,
+                          policy=policy)
+    try:
+        for step in range(steps):
+            torch.manual_seed(1000 + step)
+            inputs = make_inputs()
+            torch.manual_seed(2000 + step)
+            with sac.step():
+                loss_fn(model, inputs).backward()
+            model.zero_grad(set_to_none=True)
+        return max(h.memory.peak_bytes for h in sac.history)
+    finally:
+        sac.close()
+
+
+def limit_between_full_and_none(make_model: Callable[[], nn.Module], blocks: Any,
+                                loss_fn: Callable[[nn.Module, Any], torch.Tensor], make_inputs: Callable[[], Any],
+                                frac: float) -> int:
+    """A memory_limit `frac` of the way from `full`'s step peak to `none`'s (peak_of_policy); asserts there is room
+    between them to plan in."""
+    full = peak_of_policy(make_model, blocks, loss_fn, make_inputs, "full")
+    none = peak_of_policy(make_model, blocks, loss_fn, make_inputs, "none")
+    assert none > full * 1.05, f"none peaks at {none}, full at {full}: no room to plan in (pick a larger input)"
+    return int(full + frac * (none - full))
+
+
 def reference_check(make_model: Callable[[], nn.Module], make_inputs: Callable[[], Any], policy: Any, blocks: Any,
                     loss_fn: Callable[[nn.Module, Any], torch.Tensor] = default_loss, *,
                     backward_fn: Callable[[torch.Tensor], None] = default_backward,

@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import reference_check
+from conftest import limit_between_full_and_none, reference_check
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,24 +126,6 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def step_peak(tapesac: Any, arch: str, policy: str, steps: int = 2) -> int:
-    """The largest step peak of `steps` steps of `policy` on a fresh model."""
-    torch.manual_seed(0)
-    model = make_model(arch).train()
-    sac = tapesac.TapeSAC(model, blocks=layers(model), policy=policy)
-    try:
-        for i in range(steps):
-            torch.manual_seed(1000 + i)
-            ids = inputs()
-            torch.manual_seed(2000 + i)
-            with sac.step():
-                loss_fn(model, ids).backward()
-            model.zero_grad(set_to_none=True)
-        return max(h.memory.peak_bytes for h in sac.history)
-    finally:
-        sac.close()
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_full(arch: str) -> None:
     reference_check(lambda: make_model(arch), inputs, "full", layers, loss_fn, steps=3, optimizer=sgd,
@@ -175,10 +157,8 @@ def test_full_variants(arch: str, variant: str) -> None:
 
 
 @pytest.mark.parametrize("arch", AUTO_ARCHS)
-def test_auto(tapesac: Any, arch: str) -> None:
-    full, none = step_peak(tapesac, arch, "full"), step_peak(tapesac, arch, "none")
-    assert none > full * 1.05, f"{arch}: none peaks at {none}, full at {full}: no room to plan in (pick a larger SEQ)"
-    limit = int(full + 0.3 * (none - full))
+def test_auto(arch: str) -> None:
+    limit = limit_between_full_and_none(lambda: make_model(arch), layers, loss_fn, inputs, 0.3)
     res = reference_check(lambda: make_model(arch), inputs, "auto", layers, loss_fn, steps=3, optimizer=sgd,
                           block_calls=2, sac_kwargs={"memory_limit": limit})
     planned = res.all_stats[1:]  # the first step measures

@@ -89,9 +89,10 @@ class Runtime {
 
   /// Before the session's begin_step(): forgets the planner's calls and sets the step's enforced limit (returned).
   int64_t before_step();
-  /// The same for a step whose parameters are `params` (what begin_step() will get): first, a plan predicted over the
-  /// limit once shifted by how much the step's baseline grew since the plan was made is replaced by one planned for
-  /// that baseline (Note [Baseline grown before the step]). Throws tapesac::Error (kMemoryLimit) when none fits.
+  /// The same for a step whose parameters are `params` (what begin_step() will get): first, under a limit, a plan
+  /// predicted over it once shifted by how much the step's baseline grew since the plan was made is replaced by one
+  /// planned for that baseline (Note [Baseline grown before the step]). Throws tapesac::Error (kMemoryLimit) when none
+  /// fits and the plan in use replays (one that keeps everything stays).
   int64_t before_step(const std::vector<at::Tensor>& params);
   /// After a finished step whose measured peak was `measured_peak_bytes` (`step`: its number, 1 for the first):
   /// re-plans if needed and updates the preservation choices.
@@ -151,8 +152,8 @@ class Runtime {
   int64_t plan_baseline_ = 0;  // the baseline of the step plan_ was made for
   int64_t last_measured_ = 0;  // the last finished step's peak and number (after_step)
   int64_t last_step_ = 0;
-  // The parameters' and gradients' bytes of the step plan_ was made for, and of the step begun last (-1: not known,
-  // before_step() without parameters).
+  // The parameters' and gradients' bytes of the step plan_ was made for, and of the step begun last (-1: not known:
+  // before_step() without parameters, or no limit to plan under).
   int64_t plan_params_baseline_ = -1;
   int64_t step_params_baseline_ = -1;
   // The last step whose calls all ran without a plan (Note [Measured fallback]).

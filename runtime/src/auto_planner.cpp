@@ -13,6 +13,7 @@
 #include "tapesac/planner/evaluate.h"
 #include "tapesac/planner/problem_io.h"
 #include "tapesac/planner/schedule.h"
+#include "tapesac/planner/top_up.h"
 
 namespace tapesac::runtime {
 namespace {
@@ -312,6 +313,51 @@ PlanInfo AutoPlanner::install(const planner::StepPlan& plan, const planner::Step
   out.keep_all_peak_bytes = plan.keep_all_peak_bytes;
   out.keeps_everything = plan.keeps_everything;
   return out;
+}
+
+std::optional<int64_t> AutoPlanner::top_up(int64_t room_bytes, PlanInfo* plan) {
+  const auto& plans = session_.plans();
+  if (room_bytes <= 0 || calls_.empty() || plan->calls.size() != calls_.size()) return std::nullopt;
+  std::vector<planner::BlockProblem> problems;
+  std::vector<planner::UnpackOrder> orders;
+  problems.reserve(calls_.size());
+  orders.reserve(calls_.size());
+  std::vector<planner::TopUpCall> in;
+  for (size_t j = 0; j < calls_.size(); ++j) {
+    const Call& c = calls_[j];
+    const auto it = plans.find(c.key);
+    // Every call ran the plan in use (a new tape is planned again instead).
+    if (it == plans.end() || it->second.signature != c.signature || plan->calls[j].name != c.name ||
+        it->second.keep.size() != c.problem->candidates.size()) {
+      return std::nullopt;
+    }
+    problems.push_back(problem_with_costs(c));
+    orders.push_back(unpack_order(c));
+  }
+  for (size_t j = 0; j < calls_.size(); ++j) {
+    const replay::BlockPlan& bp = plans.at(calls_[j].key);
+    in.push_back(planner::TopUpCall{&problems[j], bp.keep, bp.schedule, orders[j]});
+  }
+  const planner::TopUp t = planner::top_up(in, room_bytes);
+  if (t.changes.empty()) return std::nullopt;
+  std::unordered_map<std::string, replay::BlockPlan> next = plans;
+  for (const planner::TopUpChange& ch : t.changes) {
+    replay::BlockPlan& bp = next.at(calls_[ch.call].key);
+    bp.keep = ch.keep;
+    bp.schedule = common::ScheduleShape{ch.schedule.order, ch.schedule.segment_begin, ch.schedule.holds};
+    if (bp.schedule_ws_bytes > 0) bp.schedule_ws_bytes = ch.schedule.working_set_bytes;
+    CallPlanInfo& info = plan->calls[ch.call];
+    info.kept_bytes += ch.added_bytes;
+    info.kept_candidates += static_cast<int64_t>(ch.values.size());
+    info.replay_cost_ns = std::max(0.0, info.replay_cost_ns - ch.saved_ns);
+    info.working_set_bytes = std::min(info.working_set_bytes, ch.schedule.working_set_bytes);
+    info.segments = std::max(1, ch.schedule.segments());
+    info.held_bytes = ch.schedule.held_bytes;
+  }
+  session_.set_plans(std::move(next));
+  plan->sum_kept_bytes += t.added_bytes;
+  plan->replay_cost_ns = std::max(0.0, plan->replay_cost_ns - t.saved_ns);
+  return t.added_bytes;
 }
 
 std::vector<FrontierPoint> AutoPlanner::frontier(int points) const {

@@ -156,7 +156,10 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
     }
     d.reason = d.reason.empty() ? "after the keep-everything probe" : "after the keep-everything probe (" + d.reason + ")";
   }
-  if (!d.replan) return;
+  if (!d.replan) {
+    top_up(measured, step, baseline);
+    return;
+  }
   if (limit_ > 0 && measured > limit_ && plan_ && plan_->keeps_everything && !fixed_masks_) {
     // Kept everything (the ceiling, or the additive model, put it within the limit) and ran over the limit: the
     // next plan lies below that prediction (shifted by the baseline's growth, as the planner's models are).
@@ -166,6 +169,34 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   std::string reason = d.reason;
   ReservedPlan r = make_plan(d, measured, baseline, measuring, &reason);
   install_plan(std::move(r), d, reason, step, measured, baseline, step_params_baseline_);
+}
+
+// Note [Top-up] (planner/top_up.h) in the runtime: after a step that ran the plan in use on every call, within the
+// limit less the margin, the room left (less a safety of 1% of the limit) is filled by keeping more of what the plan
+// drops, bounded by the measured peak plus the bytes kept more, which becomes the plan's prediction. Not with fixed
+// masks (the policy decides what is kept), approximate replays (a kept value would be exact where the plan
+// approximates), graphs (a changed mask is a new capture, with its own static memory) or a preservation trial
+// running; a plan made again later (new tape, over the limit, grown baseline) starts from the planner's models.
+void Runtime::top_up(int64_t measured, int64_t step, int64_t baseline) {
+  if (!planner_ || fixed_masks_ || limit_ <= 0 || !plan_ || plan_->keeps_everything || lazy_fallback_ ||
+      probe_running_ || session_.approx() != nullptr || session_.graph_cache() != nullptr || chooser_.exploring()) {
+    return;
+  }
+  const int64_t safety = limit_ / 100;
+  const int64_t room = limit_ - plan_->margin_bytes - safety - measured;
+  if (room <= 0) return;
+  PlanInfo next = *plan_;
+  const std::optional<int64_t> added = planner_->top_up(room, &next);
+  if (!added) return;
+  next.predicted_peak_bytes = measured + *added;
+  next.model = "measured";
+  next.model_calibrated_now = false;
+  next.reason = "top-up after step " + std::to_string(step) + ": measured " + std::to_string(measured) +
+                " bytes, keeping " + std::to_string(*added) + " bytes more within the limit less the margin and " +
+                std::to_string(safety) + " bytes";
+  next.after_step = step;
+  next.measured_peak_bytes = measured;
+  adopt(std::move(next), baseline, step_params_baseline_);
 }
 
 ReservedPlan Runtime::make_plan(const ReplanDecision& d, int64_t measured, int64_t baseline, bool measuring,
@@ -207,6 +238,10 @@ void Runtime::install_plan(ReservedPlan r, const ReplanDecision& d, const std::s
   info.reason = reason;
   info.after_step = step;
   info.measured_peak_bytes = measured;
+  adopt(std::move(info), baseline, params_baseline);
+}
+
+void Runtime::adopt(PlanInfo info, int64_t baseline, int64_t params_baseline) {
   plan_ = std::move(info);
   plan_baseline_ = baseline;
   plan_params_baseline_ = params_baseline;

@@ -791,6 +791,8 @@ class RunResult:
     warnings: list[str] = field(default_factory=list)
     # Every step's StepStats of a run of several steps (AutoLimit), in order.
     history: list[Any] = field(default_factory=list)
+    # AutoLimit: every plan made (TapeSAC.plans), oldest first.
+    plans: list[dict[str, Any]] = field(default_factory=list)
 
 
 RUN_SEED = 12345
@@ -858,7 +860,8 @@ def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, in
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sac = tapesac.TapeSAC(model, blocks=model.blocks, memory_limit=limit, contract=program.contract)
+        sac = tapesac.TapeSAC(model, blocks=model.blocks, memory_limit=limit, contract=program.contract,
+                              schedule="planned" if auto.planned else "auto")
         try:
             if auto.forward_only_first:
                 torch.manual_seed(RUN_SEED)
@@ -873,10 +876,12 @@ def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, in
                             p.grad = torch.zeros_like(p)
                 loss, x, stats = _compared_step(model, program, sac)
             history = list(sac.history)
+            plans = list(sac.plans)
         finally:
             sac.close()
     result = _run_result(model, loss, x, stats, caught)
     result.history = history
+    result.plans = plans
     return result
 
 
@@ -972,12 +977,15 @@ class AutoLimit:
     must peak within the limit (issue 18 item 5: auto in the program's step shape); every step over the limit must be
     flagged. With `grads_kept` the steps after the measuring one start with zero gradients already allocated (as
     under gradient accumulation, or zero_grad(set_to_none=False)): their baseline grew after the first plan was made
-    (Note [Baseline grown before the step]); the limit is raised by those gradients' bytes."""
+    (Note [Baseline grown before the step]); the limit is raised by those gradients' bytes. `planned`: replay
+    schedules planned with the masks (schedule="planned"; else auto's one segment per call). Half the 3-step runs run
+    a 4th step: a plan topped up after step 2 (Note [Top-up]) runs in step 3, and may be topped up again."""
 
     frac: float
     forward_only_first: bool = False
     steps: int = 2
     grads_kept: bool = False
+    planned: bool = False
 
 
 def auto_limit_for(program: Program) -> AutoLimit:
@@ -986,7 +994,13 @@ def auto_limit_for(program: Program) -> AutoLimit:
     # Its own stream, so that the programs' limits stay as they were: a third of them run a third step (re-plans).
     steps = 3 if random.Random(f"replan-steps-{program.seed}").random() < 1 / 3 else 2
     grads_kept = random.Random(f"grads-kept-{program.seed}").random() < 1 / 4
-    return AutoLimit(frac=frac, forward_only_first=forward_only_first, steps=steps, grads_kept=grads_kept)
+    if steps == 3 and random.Random(f"top-up-steps-{program.seed}").random() < 1 / 2:
+        steps = 4
+    # Not at the no-checkpoint peak: there auto keeps everything with one-segment schedules only (README, *Replay
+    # schedules*: planned schedules there stay opt-in).
+    planned = frac < 1.0 and random.Random(f"auto-planned-{program.seed}").random() < 1 / 4
+    return AutoLimit(frac=frac, forward_only_first=forward_only_first, steps=steps, grads_kept=grads_kept,
+                     planned=planned)
 
 
 def policies_for(model: nn.Module, program: Program) -> list[tuple[str, Any]]:
@@ -1011,6 +1025,8 @@ class ProgramOutcome:
     # At a limit at the "none" peak (frac 1) the planned step dropped tensors: README's "a limit at or above the
     # no-checkpoint peak keeps everything" missed (counted).
     auto_dropped_at_none_peak: bool = False
+    # A plan topped up (Note [Top-up]) ran in a later step of the run.
+    auto_topped_up: bool = False
 
 
 def check_program(seed: int, policies: list[str] | None = None) -> ProgramOutcome:
@@ -1096,6 +1112,9 @@ def check(program: Program, policies: list[str] | None = None, extra: dict[str, 
                 if silent:
                     diffs.append(f"policy 'auto': steps {silent} of {len(got.history)} peaked over the memory_limit "
                                  f"{limit} and are not flagged over_limit: {[h.memory.peak_bytes for h in got.history]}")
+            if isinstance(policy, AutoLimit):
+                outcome.auto_topped_up = any(p["model"] == "measured" and p["after_step"] < len(got.history)
+                                             for p in got.plans)
             if isinstance(policy, AutoLimit) and policy.frac >= 1.0 and st is not None and st.dropped_tensors > 0:
                 outcome.auto_dropped_at_none_peak = True
         if diffs:
@@ -1113,13 +1132,14 @@ def tally(seeds: range) -> dict[str, Any]:
     gradient differs, or the step raised) and the contract rejections. For reports: `python random_program.py 0 500`."""
     per: dict[str, dict[str, int]] = {}
     totals = {"auto_within_limit": 0, "auto_over_limit": 0, "auto_refused_limit": 0, "auto_refused_at_none_peak": 0,
-              "auto_dropped_at_none_peak": 0}
+              "auto_dropped_at_none_peak": 0, "auto_topped_up": 0, "auto_topped_up_over_limit": 0}
     failures: list[tuple[int, list[str], str]] = []
     # The seeds of the outcomes the README's "a limit at or above the no-checkpoint peak keeps everything" misses.
     at_none: dict[str, list[int]] = {"refused_at_none_peak": [], "dropped_at_none_peak": []}
     for seed in seeds:
         program = Program.generate(seed)
-        fams = program.families() + [f"schedule:{program.schedule}", f"backend:{program.backend}"]
+        fams = program.families() + [f"schedule:{program.schedule}", f"backend:{program.backend}",
+                                     f"auto:{'planned' if auto_limit_for(program).planned else 'one_segment'}"]
         for f in fams:
             per.setdefault(f, {"programs": 0, "failed": 0, "rejected_by_contract": 0, "non_finite": 0,
                                "auto_refused_limit": 0, "auto_refused_at_none_peak": 0,
@@ -1138,6 +1158,8 @@ def tally(seeds: range) -> dict[str, Any]:
             per[f]["auto_refused_at_none_peak"] += bool(outcome.auto_refused_at_none_peak)
             per[f]["auto_over_limit"] += outcome.auto_over_limit_bytes > 0
         totals["auto_dropped_at_none_peak"] += outcome.auto_dropped_at_none_peak
+        totals["auto_topped_up"] += outcome.auto_topped_up
+        totals["auto_topped_up_over_limit"] += outcome.auto_topped_up and outcome.auto_over_limit_bytes > 0
         if outcome.auto_dropped_at_none_peak:
             at_none["dropped_at_none_peak"].append(seed)
         if outcome.auto_refused_at_none_peak:

@@ -664,5 +664,47 @@ TEST(Runtime, PreserveAutoMeasuresItsTrialsWithoutTheLimitThenKeepsTheBest) {
   s->shutdown();
 }
 
+// Note [Top-up]: a plan that ran under the limit with room left keeps more of what it drops; its prediction is the
+// measured peak plus the bytes kept more, which every later step meets, within the limit less the safety.
+TEST(Runtime, APlanThatRanWithRoomLeftIsToppedUpAndItsStepsMeetThePrediction) {
+  const auto w = torch::randn({kDim, kDim});
+  const int64_t all = keep_all_peak(w);
+  int64_t full = 0;
+  {
+    auto s = make_session(PolicyKind::kFull);
+    Runtime rt(*s, RuntimeOptions{});
+    full = run_step(*s, rt, w, 64);
+    s->shutdown();
+  }
+  ASSERT_LT(full, all);
+  const int64_t limit = full + (all - full) * 6 / 10;
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(limit));
+  rt.after_step(run_step(*s, rt, w, 64), 1);
+  ASSERT_NE(rt.plan(), nullptr);
+  ASSERT_FALSE(rt.plan()->keeps_everything) << rt.plan()->reason;
+  const int64_t first_kept = rt.plan()->sum_kept_bytes;
+  int64_t predicted = rt.plan()->predicted_peak_bytes;
+  bool topped = false;
+  for (int step = 2; step <= 5; ++step) {
+    const int64_t peak = run_step(*s, rt, w, 64);
+    EXPECT_LE(peak, limit) << "step " << step;
+    EXPECT_LE(peak, predicted) << "step " << step;
+    rt.after_step(peak, step);
+    ASSERT_NE(rt.plan(), nullptr);
+    if (rt.plan()->model == "measured" && rt.plan()->after_step == step) {
+      topped = true;
+      EXPECT_EQ(rt.plan()->reason.rfind("top-up after step " + std::to_string(step), 0), 0u) << rt.plan()->reason;
+      EXPECT_EQ(rt.plan()->measured_peak_bytes, peak);
+      EXPECT_GE(rt.plan()->predicted_peak_bytes, peak);
+      EXPECT_LE(rt.plan()->predicted_peak_bytes, limit - limit / 100);
+      EXPECT_GT(rt.plan()->sum_kept_bytes, first_kept);
+    }
+    predicted = rt.plan()->predicted_peak_bytes;
+  }
+  EXPECT_TRUE(topped) << "no top-up: the plan left no room (" << predicted << " predicted, limit " << limit << ")";
+  s->shutdown();
+}
+
 }  // namespace
 }  // namespace tapesac::runtime

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -99,6 +100,12 @@ class AutoPlanner {
   /// step ran with) and returns its PlanInfo with `predicted_peak` as its prediction (a measured figure: Note
   /// [Measured fallback] in runtime.h). Throws tapesac::Error (kGeneric) before any observed call.
   PlanInfo plan_least_memory(int64_t predicted_peak);
+
+  /// Note [Top-up] (planner/top_up.h): keeps more of what the plan in use drops, within `room_bytes`, when the last
+  /// step's calls all ran that plan (`plan`: its PlanInfo, whose per-call and total figures are updated). Installs the
+  /// changed plans in the session and returns the bytes kept more (the bound on what they add to the peak; 0 when
+  /// only values whose storage stayed resident anyway were kept); nullopt: no change, nothing installed.
+  std::optional<int64_t> top_up(int64_t room_bytes, PlanInfo* plan);
 
   /// The keep-everything ceiling of the calls observed since begin_step() (Note [Keep-everything ceiling] in
   /// planner/peak_model.h; after a step that kept everything, its measured peak `measured_peak`): what plan() would

@@ -34,7 +34,9 @@ struct PlanInfo {
   int64_t keep_all_peak_bytes = 0;
   bool keeps_everything = false;
   int64_t baseline_bytes = 0;            ///< the additive model's baseline (calibrated on the measured peak)
-  std::string model;                     ///< "sequence" or "additive": the peak model the plan was made under
+  std::string model;                     ///< "sequence" or "additive": the peak model the plan was made under;
+                                         ///< "measured": a top-up (Note [Top-up]), predicted at the measured peak
+                                         ///< of the step it follows plus the bytes it keeps more
   bool model_calibrated_now = false;     ///< the sequence model was calibrated on the step this plan follows
   std::vector<CallPlanInfo> calls;       ///< empty in the plan history (Runtime::plans)
   int64_t signatures = 0;                ///< distinct block tapes

@@ -128,6 +128,9 @@ class Runtime {
   /// (`params_baseline` of them the parameters and their gradients; -1: not known).
   void install_plan(ReservedPlan r, const ReplanDecision& d, const std::string& reason, int64_t step,
                     int64_t measured, int64_t baseline, int64_t params_baseline);
+  /// Makes `info` the plan in use, for a step of `baseline` bytes (`params_baseline` of them the parameters and their
+  /// gradients; -1: not known), and adds it to the history.
+  void adopt(PlanInfo info, int64_t baseline, int64_t params_baseline);
   /// The peak of the last step whose calls all ran without a plan, shifted to `baseline` (the last step's), when the
   /// last step's calls have the same tapes (Note [Measured fallback]); INT64_MAX otherwise.
   int64_t measured_full_peak(int64_t baseline) const;
@@ -137,6 +140,9 @@ class Runtime {
   /// Note [Keep-everything probe]: whether the step after this measuring step (`measured` bytes), for which no plan
   /// fits, keeps everything as a measurement; installs that plan in `r` and says why in `reason` if so.
   bool probe_keep_all(int64_t measured, const ReplanDecision& d, ReservedPlan* r, std::string* reason);
+  /// Note [Top-up]: after step `step` (peak `measured`, baseline `baseline`) ran the plan in use within the limit,
+  /// keeps more of what it drops in the room left.
+  void top_up(int64_t measured, int64_t step, int64_t baseline);
   void choose_preservation(int64_t measured_peak_bytes);
   /// With fixed masks: the shape of calls without a plan (lazy under a limit, else one segment).
   void apply_unplanned_schedule();

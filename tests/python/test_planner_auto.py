@@ -130,6 +130,28 @@ def test_a_plan_that_ran_with_room_left_is_topped_up(tapesac, frac) -> None:
     sac.close()
 
 
+@pytest.mark.parametrize("case", ["full_planned", "emulated_graph", "approx"])
+def test_no_top_up_of_a_plan_it_may_not_change(tapesac, case) -> None:
+    """Note [Top-up] in the runtime: not with fixed masks (policy "full" decides what is kept), graphs (a changed mask
+    is a new capture, with its own static memory) or approximate replays (a kept value would be exact where the plan
+    approximates): such runs never install a top-up, at a limit where `auto` with planned schedules does
+    (test_a_plan_that_ran_with_room_left_is_topped_up)."""
+    x = _tokens()
+    peaks = _peaks(tapesac, _qwen, x)
+    limit = int(peaks["full"] + 0.3 * (peaks["none"] - peaks["full"]))
+    kwargs = {"full_planned": dict(policy="full", schedule="planned"),
+              "emulated_graph": dict(schedule="planned", backend="emulated_graph"),
+              "approx": dict(approx=tapesac.Approx())}[case]
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, memory_limit=limit, **kwargs)
+    for i in range(4):
+        _step(sac, model, _tokens(seed=i))
+        model.zero_grad(set_to_none=True)
+    assert sac.plans, "no plan was made: the test checks nothing"
+    assert all(p["model"] != "measured" for p in sac.plans), [(p["model"], p["reason"]) for p in sac.plans]
+    sac.close()
+
+
 @pytest.mark.parametrize("policy", ["auto", "full"])
 @pytest.mark.parametrize("frac", [0.3, 0.7])
 def test_gradients_kept_between_steps_stay_under_the_limit(tapesac, policy, frac) -> None:

@@ -212,7 +212,10 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
       for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
     } else {
       peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
-      if (!retained && !rest_c.empty() && ws[k] > ws_ref[k]) {  // rest_c and ws_ref: one per call, or none
+      // rest_c and ws_ref: one per call, or none; spread and rest_kept_ref likewise.
+      const bool other = !rest_c.empty() && (ws[k] > ws_ref[k] || (!spread.empty() && spread[k] &&
+                                                                   (ws[k] != ws_ref[k] || kept[k] != rest_kept_ref[k])));
+      if (!retained && other) {
         peak = std::max(peak, rest_c[k] + prefix + holding + ws[k]);  // Note [Working set larger than the measured one]
       }
       if (!retained && replays && window_levels.size() == kept.size()) {
@@ -275,6 +278,10 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
   m.tail_c = profile.tail_peak - prefix - holding;
   if (m.rest_c.size() == n) {
     m.ws_ref = ws_ref;
+    if (extras.spread.size() == n) {
+      m.spread = extras.spread;
+      m.rest_kept_ref = kept_ref;
+    }
   } else {
     m.rest_c.clear();
   }

@@ -479,6 +479,10 @@ AutoPlanner::Prepared AutoPlanner::prepare() const {
     }
     // A value served live was not replayed: the working set that ran is the one of the mask it was kept in.
     out.ws_ref.push_back(ran_working_set(j, p, out.orders.back(), served));
+    // Policy auto's replays that ran in several segments (Note [Working set larger than the measured one]); the
+    // fixed masks' schedules are charged as before.
+    out.extras.spread.push_back(!options_.fixed_masks && j < stats.size() && stats[j].name == c.name &&
+                                stats[j].segments > 1);
     out.sum_kept += out.kept_ref.back();
     out.max_ws = std::max(out.max_ws, out.ws_ref.back());
     masks.push_back(c.kept);

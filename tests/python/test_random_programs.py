@@ -377,6 +377,31 @@ def test_preservation_trials_under_a_limit_skip_a_mode_that_may_not_fit(seed: in
     assert max(peaks[2:]) <= limit, f"seed {seed}: steps over the limit {limit}: {peaks}"
 
 
+@pytest.mark.parametrize("seed", [5])
+def test_auto_with_planned_schedules_charges_a_replay_moved_from_a_spread_one(seed: int) -> None:
+    """Found by the 5,000-program runs of 2026-12-06 once a quarter of auto's limits ran with schedule="planned": the
+    lazy measuring step spread call 0's replays over its window (largest 1,200 bytes at once); the first plan replayed
+    it in one segment of 1,152 at a moment of a larger rest and ran 200 bytes over its prediction (7,664 for 7,464),
+    161 over the limit, flagged. Any other plan of such a call is now charged on the window's largest rest (Note
+    [Working set larger than the measured one] in planner/peak_model.h)."""
+    program = R.Program.generate(seed)
+    auto = R.auto_limit_for(program)
+    assert auto.planned and auto.frac == 0.3
+    outcome = R.check_program(seed, ["full", "none", "auto"])
+    assert not outcome.auto_refused, outcome.auto_refused
+    assert outcome.auto_over_limit_bytes == 0, f"seed {seed}: the planned step ran {outcome.auto_over_limit_bytes} over"
+
+
+def test_generator_covers_auto_with_planned_schedules_and_top_ups() -> None:
+    """Of the 500 default programs' auto limits, planned schedules (never at the no-checkpoint peak) and 4-step runs
+    (a plan topped up after step 2 runs in step 3 and may be topped up again: Note [Top-up]) are frequent enough."""
+    limits = [R.auto_limit_for(R.Program.generate(seed)) for seed in range(max(N_PROGRAMS, 500))]
+    assert sum(a.planned for a in limits) >= 75, sum(a.planned for a in limits)
+    assert not any(a.planned and a.frac >= 1.0 for a in limits)
+    assert sum(a.steps == 4 for a in limits) >= 50, Counter(a.steps for a in limits)
+    assert {a.steps for a in limits} == {2, 3, 4}
+
+
 @pytest.mark.parametrize("seed", [1846, 2123, 2206])
 def test_auto_does_not_predict_a_plan_keeping_more_below_a_window_that_peaks_after_its_replay(seed: int) -> None:
     """Found by the 5,000-program runs of 2026-12-02: at a limit equal to "full"'s measured peak, auto's first plan

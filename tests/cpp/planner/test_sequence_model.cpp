@@ -243,6 +243,27 @@ TEST(SequencePeakModel, AWorkingSetLargerThanTheMeasuredOneIsChargedOnTheLargest
   EXPECT_EQ(m.backward_c[0] + 250, 550);   // what the working-set term alone predicted
 }
 
+// The same window, its replays spread over it (the lazy measuring step of auto with planned schedules: StepExtras::
+// spread). A plan replaying less at once, or keeping more, replays at other moments: any plan other than the one
+// that ran is charged on the largest rest (random program 5: a one-segment replay of 1,152 bytes, where the lazy
+// step's largest was 1,200, met a larger rest and ran 200 bytes over its prediction).
+TEST(SequencePeakModel, AnyOtherPlanOfACallWhoseReplaysWereSpreadIsChargedOnTheLargestRest) {
+  const std::vector<TimedBytes> tl{{5, 0, 0}, {15, 100, 0}, {25, 0, 0}, {41, 300, 100}, {55, 400, 20},
+                                   {70, 200, 0}, {80, 0, 0}};
+  const StepProfile p = profile_step(tl, {10}, {20}, {40}, 0);
+  StepExtras spread;
+  spread.spread = {1};
+  const SequencePeakModel m = SequencePeakModel::calibrate(p, {0}, {100}, spread);
+  ASSERT_TRUE(m.valid);
+  EXPECT_EQ(m.predict({0}, {100}), 400);  // the plan that ran: the measured peak
+  EXPECT_EQ(m.predict({0}, {80}), 460);   // 380 + 80: not 400 as for a replay at the measured moment
+  EXPECT_EQ(m.predict({30}, {50}), 460);  // 380 + 30 kept + 50
+  EXPECT_EQ(m.predict({0}, {250}), 630);
+  // Without the flag (one segment ran), as in AWorkingSetLargerThanTheMeasuredOneIsChargedOnTheLargestRest.
+  const SequencePeakModel one = SequencePeakModel::calibrate(p, {0}, {100});
+  EXPECT_EQ(one.predict({0}, {80}), 400);
+}
+
 // Issue 18 item 5: inputs held only for the replay (a block input autocast casts first) are freed by a plan that
 // keeps everything, and held by one that replays.
 TEST(SequencePeakModel, InputsHeldForTheReplayAreFreedWhenNothingReplays) {

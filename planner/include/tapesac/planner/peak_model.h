@@ -152,6 +152,9 @@ struct StepExtras {
   /// The step backwarded a graph it retained (retain_graph=True then another backward, two autograd.grad calls, a
   /// double backward): a saved tensor was unpacked more than once.
   bool retained = false;
+  /// Per call (empty: none): 1 when its replays ran in several segments, spread over its backward window (Note
+  /// [Working set larger than the measured one]: any other plan of the call is charged on the window's largest rest).
+  std::vector<uint8_t> spread;
 };
 
 /// The sequence (max-plus) peak model. During call k's forward, the calls before it hold what they keep and k holds
@@ -226,7 +229,14 @@ struct StepExtras {
 /// moment. Small Qwen3-MoE under "full" at its lowest bench_limits limit, step 2: predicted 70,902,688 bytes,
 /// measured 72,431,440 (2.1% over the limit), in the window of call 0. For a call whose working set exceeds the
 /// measured one the window is bounded instead by its largest rest (bytes in use less the replays' bytes alive, at
-/// any moment of the window) plus the whole new working set: rest_c[i] + sum_{j<=i} kept_j + held + ws_i.
+/// any moment of the window) plus the whole new working set: rest_c[i] + sum_{j<=i} kept_j + held + ws_i. When the
+/// replays that ran were spread over the window (several segments: auto's lazy measuring step with planned
+/// schedules, a planned step), so is the moment of that working set: a plan replaying less, but at another moment,
+/// may meet a larger rest (random program 5, `auto` with schedule="planned" at 30% of the way from "full" to "none":
+/// the first plan replayed call 0 in one segment of 1,152 bytes where the lazy step's largest was 1,200, and its
+/// window ran 200 bytes over the 7,464 predicted, 161 over the limit). For such a call every plan other than the one
+/// that ran (other kept bytes or working set) is bounded the same way. The bound is loose; the top-up (Note
+/// [Top-up], top_up.h) gives the room back after the step that runs the plan.
 /// In that window the measuring step peaked during a replay, with little of the backward's own memory
 /// alive; the plan held 9.5 MB of rebuilt values across segments through a later moment at which the backward had
 /// 6.3 MB more allocated. Measured with perf/bench_limits.py (small and medium Qwen3, Llama, Qwen3-MoE, 3 limits,
@@ -262,6 +272,10 @@ struct SequencePeakModel {
   /// one]): the replay working set of the schedule that ran, and the window's largest bytes in use less the
   /// replays' bytes alive, less what backward_c's term counts besides (as backward_c).
   std::vector<int64_t> ws_ref, rest_c;
+  /// With rest_c, per call (empty: none): its replays ran spread over the window (StepExtras::spread), and the kept
+  /// bytes of the plan that ran (a plan keeping as many with the same working set is taken for that plan).
+  std::vector<uint8_t> spread;
+  std::vector<int64_t> rest_kept_ref;
   /// Added to every prediction: how much the step's baseline (bytes in use when it began: parameters, gradients kept
   /// from the previous step, optimizer state) grew since the step the model was calibrated on.
   int64_t baseline_shift = 0;

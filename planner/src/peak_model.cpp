@@ -188,6 +188,47 @@ int64_t held(const std::vector<int64_t>& held_for_replay, const std::vector<int6
   return kept < keep_all[k] ? held_for_replay[k] : 0;
 }
 
+// v[k], or 0 past its end (a figure not measured).
+int64_t at_or_zero(const std::vector<int64_t>& v, size_t k) { return k < v.size() ? v[k] : 0; }
+
+// The levels of the backward windows (Note [Window of a call keeping more]; with a retained graph Note [Backward
+// levels]), relative to what the plan that ran (`kept_ref`) kept and held.
+void calibrate_levels(SequencePeakModel& m, const StepProfile& profile, const std::vector<int64_t>& kept_ref,
+                      const StepExtras& extras) {
+  const size_t n = profile.backward_peaks.size();
+  int64_t all_ref = 0;  // every call's kept and held bytes in the plan that ran
+  for (size_t k = 0; k < n; ++k) all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
+  if (!extras.retained && profile.backward_levels.size() == n) {
+    // Note [Window of a call keeping more]: rest less what the plan that ran kept before the call, held up to it,
+    // and the dropped values alive anyway before it (as backward_c).
+    m.kept_ref = kept_ref;
+    m.alive_ref.resize(n);
+    m.window_levels.resize(n);
+    int64_t before = 0, held_up_to = 0;
+    for (size_t k = 0; k < n; ++k) {
+      m.alive_ref[k] = at_or_zero(extras.alive_backward, k);
+      held_up_to += held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
+      for (const RestLevel& l : profile.backward_levels[k]) {
+        m.window_levels[k].push_back(RestLevel{l.rest - before - held_up_to, l.replay});
+      }
+      before += kept_ref[k] + m.alive_ref[k];
+    }
+    m.window_all_ref = all_ref;
+  }
+  if (extras.retained && profile.backward_levels.size() == n) {  // Note [Backward levels]
+    // Rebuilt values a later graph held are replay bytes on the timeline, not kept ones.
+    m.levels_all_ref = all_ref;
+    m.backward_levels.resize(n);
+    int64_t alive = 0;  // dropped values alive anyway (not replay bytes), calls up to k: as backward_c
+    for (size_t k = 0; k < n; ++k) {
+      alive += at_or_zero(extras.alive_backward, k);
+      for (const RestLevel& l : profile.backward_levels[k]) {
+        m.backward_levels[k].push_back(RestLevel{l.rest - all_ref - alive, l.replay});
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::vector<int64_t>& ws) const {
@@ -212,9 +253,9 @@ int64_t SequencePeakModel::predict(const std::vector<int64_t>& kept, const std::
       for (const RestLevel& l : backward_levels[k]) peak = std::max(peak, l.rest + all + std::min(rebuilt, l.replay));
     } else {
       peak = std::max(peak, backward_c[k] + (retained ? all : prefix + holding) + ws[k]);
-      // rest_c and ws_ref: one per call, or none; spread and rest_kept_ref likewise.
+      // rest_c and ws_ref: one per call, or none; spread likewise (and kept_ref then, set with the window levels).
       const bool other = !rest_c.empty() && (ws[k] > ws_ref[k] || (!spread.empty() && spread[k] &&
-                                                                   (ws[k] != ws_ref[k] || kept[k] != rest_kept_ref[k])));
+                                                                   (ws[k] != ws_ref[k] || kept[k] != kept_ref[k])));
       if (!retained && other) {
         peak = std::max(peak, rest_c[k] + prefix + holding + ws[k]);  // Note [Working set larger than the measured one]
       }
@@ -240,7 +281,6 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
   SequencePeakModel m;
   const size_t n = profile.backward_peaks.size();
   if (!profile.valid || kept_ref.size() != n || ws_ref.size() != n || profile.forward_peaks.size() != n) return m;
-  auto extra = [](const std::vector<int64_t>& v, size_t k) { return k < v.size() ? v[k] : 0; };
   m.pre = profile.pre_peak;
   m.retained = extras.retained;
   if (extras.held_for_replay.size() == n && extras.keep_all.size() == n) {
@@ -251,7 +291,7 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
   m.backward_c.resize(n);
   int64_t all = 0;
   for (size_t k = 0; k < n; ++k) {
-    all += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]) + extra(extras.alive_retained, k);
+    all += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]) + at_or_zero(extras.alive_retained, k);
   }
   int64_t prefix = 0;      // kept (and alive anyway after the forward) bytes of the calls before k
   int64_t holding = 0;     // held for the replays, calls up to k
@@ -259,10 +299,10 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
   int64_t bwd_prefix = 0;  // kept bytes of the calls up to k
   for (size_t k = 0; k < n; ++k) {
     m.forward_c[k] = profile.forward_peaks[k] - prefix;
-    prefix += kept_ref[k] + extra(extras.alive_forward, k);
+    prefix += kept_ref[k] + at_or_zero(extras.alive_forward, k);
     holding += held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
     bwd_prefix += kept_ref[k];
-    bwd_alive += extra(extras.alive_backward, k);
+    bwd_alive += at_or_zero(extras.alive_backward, k);
     m.backward_c[k] =
         profile.backward_peaks[k] - (extras.retained ? all : bwd_prefix + holding) - bwd_alive - ws_ref[k];
     if (!extras.retained && profile.backward_levels.size() == n && !profile.backward_levels[k].empty()) {
@@ -278,44 +318,11 @@ SequencePeakModel SequencePeakModel::calibrate(const StepProfile& profile, const
   m.tail_c = profile.tail_peak - prefix - holding;
   if (m.rest_c.size() == n) {
     m.ws_ref = ws_ref;
-    if (extras.spread.size() == n) {
-      m.spread = extras.spread;
-      m.rest_kept_ref = kept_ref;
-    }
+    if (extras.spread.size() == n) m.spread = extras.spread;
   } else {
     m.rest_c.clear();
   }
-  int64_t all_ref = 0;  // every call's kept and held bytes in the plan that ran
-  for (size_t k = 0; k < n; ++k) all_ref += kept_ref[k] + held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
-  if (!extras.retained && profile.backward_levels.size() == n) {
-    // Note [Window of a call keeping more]: rest less what the plan that ran kept before the call, held up to it,
-    // and the dropped values alive anyway before it (as backward_c).
-    m.kept_ref = kept_ref;
-    m.alive_ref.resize(n);
-    m.window_levels.resize(n);
-    int64_t before = 0, held_up_to = 0;
-    for (size_t k = 0; k < n; ++k) {
-      m.alive_ref[k] = extra(extras.alive_backward, k);
-      held_up_to += held(m.held_for_replay, m.keep_all, k, kept_ref[k]);
-      for (const RestLevel& l : profile.backward_levels[k]) {
-        m.window_levels[k].push_back(RestLevel{l.rest - before - held_up_to, l.replay});
-      }
-      before += kept_ref[k] + m.alive_ref[k];
-    }
-    m.window_all_ref = all_ref;
-  }
-  if (extras.retained && profile.backward_levels.size() == n) {  // Note [Backward levels]
-    // Rebuilt values a later graph held are replay bytes on the timeline, not kept ones.
-    m.levels_all_ref = all_ref;
-    m.backward_levels.resize(n);
-    int64_t alive = 0;  // dropped values alive anyway (not replay bytes), calls up to k: as backward_c
-    for (size_t k = 0; k < n; ++k) {
-      alive += extra(extras.alive_backward, k);
-      for (const RestLevel& l : profile.backward_levels[k]) {
-        m.backward_levels[k].push_back(RestLevel{l.rest - all_ref - alive, l.replay});
-      }
-    }
-  }
+  calibrate_levels(m, profile, kept_ref, extras);
   m.valid = true;
   return m;
 }

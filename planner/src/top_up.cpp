@@ -2,7 +2,6 @@
 #include "tapesac/planner/top_up.h"
 
 #include <algorithm>
-#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -122,7 +121,7 @@ class Greedy {
       s.added += chosen.bytes;
       s.saved += chosen.saved_ns;
       s.now = chosen.schedule;
-      s.shape = ScheduleShape{chosen.schedule.order, chosen.schedule.segment_begin, chosen.schedule.holds};
+      s.shape = chosen.schedule;  // its ScheduleShape part
       room -= chosen.bytes;
       options[chosen.call] = options_of(chosen.call);
     }

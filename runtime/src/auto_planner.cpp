@@ -331,12 +331,9 @@ std::optional<int64_t> AutoPlanner::top_up(int64_t room_bytes, PlanInfo* plan) {
         it->second.keep.size() != c.problem->candidates.size()) {
       return std::nullopt;
     }
-    problems.push_back(problem_with_costs(c));
+    problems.push_back(problem_with_costs(c));  // reserved: the pointers below stay valid
     orders.push_back(unpack_order(c));
-  }
-  for (size_t j = 0; j < calls_.size(); ++j) {
-    const replay::BlockPlan& bp = plans.at(calls_[j].key);
-    in.push_back(planner::TopUpCall{&problems[j], bp.keep, bp.schedule, orders[j]});
+    in.push_back(planner::TopUpCall{&problems.back(), it->second.keep, it->second.schedule, orders.back()});
   }
   const planner::TopUp t = planner::top_up(in, room_bytes);
   if (t.changes.empty()) return std::nullopt;
@@ -344,7 +341,7 @@ std::optional<int64_t> AutoPlanner::top_up(int64_t room_bytes, PlanInfo* plan) {
   for (const planner::TopUpChange& ch : t.changes) {
     replay::BlockPlan& bp = next.at(calls_[ch.call].key);
     bp.keep = ch.keep;
-    bp.schedule = common::ScheduleShape{ch.schedule.order, ch.schedule.segment_begin, ch.schedule.holds};
+    bp.schedule = ch.schedule;  // its ScheduleShape part
     if (bp.schedule_ws_bytes > 0) bp.schedule_ws_bytes = ch.schedule.working_set_bytes;
     CallPlanInfo& info = plan->calls[ch.call];
     info.kept_bytes += ch.added_bytes;

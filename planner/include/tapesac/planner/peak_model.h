@@ -272,10 +272,9 @@ struct SequencePeakModel {
   /// one]): the replay working set of the schedule that ran, and the window's largest bytes in use less the
   /// replays' bytes alive, less what backward_c's term counts besides (as backward_c).
   std::vector<int64_t> ws_ref, rest_c;
-  /// With rest_c, per call (empty: none): its replays ran spread over the window (StepExtras::spread), and the kept
-  /// bytes of the plan that ran (a plan keeping as many with the same working set is taken for that plan).
+  /// With rest_c, per call (empty: none): its replays ran spread over the window (StepExtras::spread); a plan keeping
+  /// kept_ref's bytes with the same working set is taken for the plan that ran.
   std::vector<uint8_t> spread;
-  std::vector<int64_t> rest_kept_ref;
   /// Added to every prediction: how much the step's baseline (bytes in use when it began: parameters, gradients kept
   /// from the previous step, optimizer state) grew since the step the model was calibrated on.
   int64_t baseline_shift = 0;

@@ -195,11 +195,53 @@ def test_gpu_check_variant_list_runs_exactly_those(tmp_path):
     assert w["variants"]["tapesac_cuda_graph"]["status"] == "skipped"
 
 
-def test_misspelt_variant_fails_the_run(tmp_path):
+def test_misspelt_variant_fails_the_run_before_anything_runs(tmp_path, capsys):
+    """A misspelt --variants name fails at once, naming the known ones: no model is built, no variant is run (it
+    used to fail only after the whole suite had run)."""
     path = tmp_path / "typo.json"
-    rc = _bench().main(["--smoke", "--models", "qwen3", "--rounds", "1", "--warmup", "0", "--quiet",
-                        "--variants", "nockpt,tapesac_egaer", "--json", str(path)])
+    rc = _bench().main(["--smoke", "--rounds", "1", "--warmup", "0", "--quiet",
+                        "--variants", "nockpt,tapesac_egaer,tapesac_auto_0.3", "--json", str(path)])
     assert rc == 1, "a --variants name that matches no variant must fail the run"
+    report = json.loads(path.read_text())
+    assert report["workloads"] == [], "nothing may run when a --variants name is unknown"
+    # tapesac_auto_0.3 is not made under the default --auto-fractions (0.25,0.5,0.75).
+    assert report["unknown_variants"] == ["tapesac_auto_0.3", "tapesac_egaer"]
+    assert {"tapesac_eager", "tapesac_auto_0.25", "compile_b0.5"} <= set(report["known_variants"])
+    err = capsys.readouterr().err
+    assert "tapesac_egaer" in err and "--auto-fractions" in err, err
+
+
+def test_unknown_variants_under_replaced_factories_are_reported_per_workload(tmp_path, monkeypatch):
+    """With the factory list replaced (tests, extensions) the names are known only once the factories ran: the
+    workload's record reports the unknown ones and the run fails."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "VARIANT_FACTORIES", [bench.nockpt_variants, bench.pytorch_checkpoint_variants])
+    path = tmp_path / "typo.json"
+    rc = bench.main(["--smoke", "--models", "qwen3", "--rounds", "1", "--warmup", "0", "--quiet",
+                     "--variants", "nockpt,ckpt,tapesac_full", "--json", str(path)])
+    assert rc == 1
     w = json.loads(path.read_text())["workloads"][0]
-    assert w["unknown_variants"] == ["tapesac_egaer"]
-    assert "tapesac_eager" in w["known_variants"]
+    assert w["unknown_variants"] == ["tapesac_full"] and "ckpt" in w["known_variants"], w
+
+
+def test_the_catalogue_of_names_covers_every_variant_the_suite_made(smoke):
+    """variants.variant_names() (what --variants is checked against up front) lists every variant the default suite
+    made in the smoke run, placeholders included (run.bench_workload also asserts it while it makes them)."""
+    from tapesac.bench.cli import build_parser
+    from tapesac.bench.variants import variant_names
+
+    _, report = smoke
+    known = variant_names(build_parser().parse_args(["--smoke"]))
+    for w in report["workloads"]:
+        assert set(w["variants"]) <= known, (w["name"], sorted(set(w["variants"]) - known))
+
+
+def test_a_factory_making_an_uncatalogued_name_fails_the_suite(tmp_path, monkeypatch, capsys):
+    """The catalogue cannot drift from the factories: a name variant_names() lacks stops the run at once."""
+    from tapesac.bench import run, variants
+
+    monkeypatch.setattr(run, "variant_names", lambda args: variants.variant_names(args) - {"tapesac_ops"})
+    rc = _bench().main(["--smoke", "--models", "qwen3", "--rounds", "1", "--warmup", "0", "--quiet",
+                        "--json", str(tmp_path / "x.json")])
+    assert rc != 0
+    assert "tapesac_variants made variant 'tapesac_ops'" in capsys.readouterr().err

@@ -7,7 +7,8 @@
 #   prints a table per workload and a summary line (progress goes to stderr unless --quiet); it writes --json
 #   (schema_version, environment, args, memory method, workloads, long, elapsed) and --plot / --train-plot.
 #   `--from-json PATH` runs nothing: it reprints the tables and redraws the plots of a saved run.
-# - Exit status 1 when a required variant is invalid or crashed, or --variants names no variant of the suite.
+# - Exit status 1 when a required variant is invalid or crashed, or --variants names no variant of the suite (checked
+#   before any workload is built, against variants.variant_names()).
 # - The suite's factories are read from the package (`tapesac.bench.VARIANT_FACTORIES`,
 #   `tapesac.bench.LONG_VARIANT_FACTORIES`) when main runs, so a caller that replaces them runs its own suite.
 # - CPU runs use one intra-op thread unless --threads says otherwise; run_suite() restores torch's thread count and
@@ -36,6 +37,7 @@ from .render import format_long, format_table, plot_long, plot_plane
 from ..progress import Progress
 from .run import bench_workload
 from .sizes import ARCHS, SIZES, Workload, build_model, describe_model
+from .variants import VARIANT_FACTORIES, variant_names
 
 SCHEMA_VERSION = 1
 
@@ -178,6 +180,14 @@ def _workload(s: str, arch: str, args: argparse.Namespace) -> Workload:
                     pristine=copy.deepcopy(model), ids=ids.to(size.device), description=describe_model(arch, model))
 
 
+def _unknown_variants(args: argparse.Namespace) -> list[str]:
+    """The --variants names the default suite cannot make under these arguments (sorted; [] when --variants is not
+    given, or the caller replaced the factory list: then each workload's record reports them after its run)."""
+    if not args.variants or _package().VARIANT_FACTORIES is not VARIANT_FACTORIES:
+        return []
+    return sorted(set(args.variants.split(",")) - variant_names(args))
+
+
 def _failures(w: dict[str, Any]) -> list[str]:
     """What in a workload record fails the run: required variants invalid or crashed, unknown --variants names."""
     bad = [f"{w['name']}/{name}: {r['status']}: {r.get('reason', '')}" for name, r in w["variants"].items()
@@ -211,6 +221,15 @@ def _main(args: argparse.Namespace, echo: bool) -> tuple[int, dict[str, Any]]:
     report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "benchmark": "bench_step", "environment": env,
                               "args": vars(args), "memory_method": meter.method, "workloads": []}
     bad: list[str] = []
+    unknown = _unknown_variants(args)
+    if unknown:
+        # Before any model is built: a misspelt name must not cost the whole suite's run first.
+        known = sorted(variant_names(args))
+        report.update(unknown_variants=unknown, known_variants=known)
+        bad.append(f"--variants names no variant of the suite: {unknown} (known with these arguments: {known}; "
+                   f"tapesac_auto_<fraction> follows --auto-fractions, compile_b<budget> --compile-budgets)")
+        sizes = archs = []
+        args = argparse.Namespace(**{**vars(args), "train_steps": 0})  # nothing runs: the long mode neither
     t_all = time.perf_counter()
     for s in sizes:
         for arch in archs:

@@ -31,7 +31,8 @@ from . import harness
 from .measure import (COMPILE_RTOL, DEVICE_RTOL, PeakMeter, Snapshot, compare, graph_launch_times, graph_stats,
                       jsonable, run_once, sync, telemetry_memory)
 from .sizes import Workload
-from .variants import CKPT, NOCKPT, Ctx, Variant, nockpt_variants, tapesac_variants
+from .variants import (CKPT, NOCKPT, VARIANT_FACTORIES, Ctx, Variant, nockpt_variants, tapesac_variants,
+                       variant_names)
 
 
 def short_error(e: BaseException) -> str:
@@ -156,6 +157,9 @@ def _validate_all(ctx: Ctx, meter: PeakMeter, progress: Progress,
     made_names: set[str] = set()
     ref: Snapshot | None = None
     rtol_exact: float | None = None
+    # The default suite's names are known up front (variant_names: --variants is checked against them before any
+    # run); a factory making a name missing there is a bug of the suite, caught by every run of it.
+    catalogue = variant_names(args) if factories is VARIANT_FACTORIES else None
     for factory in factories:
         try:
             made = factory(ctx)
@@ -166,6 +170,9 @@ def _validate_all(ctx: Ctx, meter: PeakMeter, progress: Progress,
                              "reason": f"variant factory failed: {short_error(e)}"}
             continue
         for v in made:
+            if catalogue is not None and v.name not in catalogue:
+                raise AssertionError(f"bench: {factory.__name__} made variant {v.name!r}, which "
+                                     f"variants.variant_names() does not list: add it there")
             made_names.add(v.name)
             if wanted is not None and v.name not in wanted and v.name != NOCKPT:
                 _close(v)

@@ -28,6 +28,8 @@ from torch import nn
 from .sizes import MiB, Workload
 
 NOCKPT, CKPT = "nockpt", "ckpt"
+# tapesac_full_planned_bNN: planned schedules under a replay time budget of NN% (Config.schedule_budget).
+SCHEDULE_BUDGETS_PCT = (0, 5, 10, 20, 40)
 
 
 @dataclass
@@ -240,7 +242,7 @@ def _compile_unavailable(ctx: Ctx) -> str:
 
 def compile_variants(ctx: Ctx) -> list[Variant]:
     """torch.compile with torch._functorch.config.activation_memory_budget (one variant per --compile-budgets)."""
-    budgets = [float(b) for b in ctx.args.compile_budgets.split(",") if b.strip()]
+    budgets = _fractions(ctx.args.compile_budgets)
     out = []
     why = _compile_unavailable(ctx)
     for b in budgets:
@@ -331,7 +333,7 @@ def _limit_targets(ctx: Ctx) -> tuple[list[tuple[str, int]], str]:
                     f"block keeps plus one block's replay) is not below no checkpointing's ({hi / MiB:.2f} MiB): no "
                     f"limit between ckpt's peak and nockpt's is feasible")
     lo = max(lo, floor)
-    fracs = [float(f) for f in ctx.args.auto_fractions.split(",") if f.strip()]
+    fracs = _fractions(ctx.args.auto_fractions)
     return [(f"{f:g}", int(lo + f * (hi - lo))) for f in fracs], ""
 
 
@@ -386,7 +388,7 @@ def tapesac_schedule_variants(ctx: Ctx) -> list[Variant]:
                                 schedule="hold_all")
     planned.prime_steps = 2
     out = [one, lazy, hold_all, planned]
-    for pct in (0, 5, 10, 20, 40):  # planned schedules under a replay time budget (Config.schedule_budget)
+    for pct in SCHEDULE_BUDGETS_PCT:
         v = _tapesac_variant(ctx, f"tapesac_full_planned_b{pct:02d}",
                              f'tapesac "full", schedule="planned", schedule_budget={pct / 100:g}', policy="full",
                              schedule="planned", schedule_budget=pct / 100)
@@ -430,6 +432,23 @@ def tapesac_backend_variants(ctx: Ctx) -> list[Variant]:
     graph.prime_steps = 2
     graph.info["expect_graph_replays"] = True
     return [eager, graph]
+
+
+def _fractions(text: str) -> list[float]:
+    return [float(f) for f in text.split(",") if f.strip()]
+
+
+def variant_names(args: argparse.Namespace) -> set[str]:
+    """Every name VARIANT_FACTORIES can make under these arguments (placeholders included), known before anything
+    runs: `--variants` is checked against it up front. A factory that makes a name missing here fails the suite's
+    own check (run.bench_workload), so the two cannot drift apart."""
+    names = {NOCKPT, CKPT, "torch_sac", "tapesac_none", "tapesac_full", "tapesac_ops", "tapesac_auto",
+             "tapesac_auto_sac_peak", "tapesac_eager", "tapesac_cuda_graph", "tapesac_full_one_segment",
+             "tapesac_full_lazy", "tapesac_full_planned", "tapesac_full_hold_all", "tapesac_auto_planned_ckpt90"}
+    names |= {f"compile_b{b:g}" for b in _fractions(args.compile_budgets)}
+    names |= {f"tapesac_auto_{f:g}" for f in _fractions(args.auto_fractions)}
+    names |= {f"tapesac_full_planned_b{pct:02d}" for pct in SCHEDULE_BUDGETS_PCT}
+    return names
 
 
 # The suite, in order. Each factory: Ctx -> list[Variant]. Append a factory to add variants; a factory runs after

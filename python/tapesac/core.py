@@ -31,7 +31,7 @@ from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
 from .log import Once, logger
 from .logs import StepLog
-from .memory import MemoryStats, parse_memory_limit
+from .memory import MemoryStats, frozen_from, parse_memory_limit
 from .policy import CallablePolicy, OpSetPolicy, parse_policy
 from .preserve import Trial
 from .stats import BlockStats, StepStats, block_stats_from, step_stats_from
@@ -39,6 +39,9 @@ from .stats import BlockStats, StepStats, block_stats_from, step_stats_from
 __all__ = ["TapeSAC", "Approx", "Config", "StepStats", "BlockStats", "record_ops"]
 
 HISTORY_STEPS = 1000
+# The history keeps each step's per-block statistics (StepStats.blocks) for its last HISTORY_BLOCK_STEPS steps only:
+# Note [History without per-block detail].
+HISTORY_BLOCK_STEPS = 16
 
 _thread_state = threading.local()
 
@@ -152,7 +155,9 @@ class TapeSAC:
 
     @property
     def history(self) -> list[StepStats]:
-        """Statistics of the last ``HISTORY_STEPS`` (1000) steps, oldest first."""
+        """Statistics of the last ``HISTORY_STEPS`` (1000) steps, oldest first; the per-block ``blocks`` of the last
+        ``HISTORY_BLOCK_STEPS`` (16) only, ``()`` in older ones (Note [History without per-block detail]; every step
+        whole: ``TapeSAC(log=...)``)."""
         return list(self._history)
 
     @property
@@ -220,7 +225,7 @@ class TapeSAC:
             self._in_step = False
             self._steps += 1
             self._last = self._collect(time.perf_counter() - start)
-            self._history.append(self._last)
+            self._remember(self._last)
             self._conflicts.after_step(self._last)
             self._warn_unmatched()
             self._log.write_step(self._last, self._get_timeline)
@@ -248,6 +253,20 @@ class TapeSAC:
     def preservation(self) -> dict[int, str]:
         """preserve="auto"/"keep": the mode chosen per written storage (keys are storage identities)."""
         return dict(self._runtime.preservation)
+
+    def _remember(self, st: StepStats) -> None:
+        """Note [History without per-block detail]. A step's StepStats holds one BlockStats per block call (an object
+        and its dict each): 1,000 steps of a 48-block model kept ~100k objects alive, which Python's cyclic GC
+        traversed in every full collection (2 of ~150 ms in 3,000 steps of perf/bench_record.py's 48-block workload,
+        121 us per step on average, and ~95k more objects on the heap). The history keeps every StepStats but
+        the per-block tuple only for the last HISTORY_BLOCK_STEPS steps; older entries have blocks=() (block_calls
+        and every total still count them). TapeSAC(log=...) writes every step whole."""
+        history = self._history
+        history.append(st)
+        n = len(history)
+        if n > HISTORY_BLOCK_STEPS and history[n - 1 - HISTORY_BLOCK_STEPS].blocks:
+            old = history[n - 1 - HISTORY_BLOCK_STEPS]
+            history[n - 1 - HISTORY_BLOCK_STEPS] = frozen_from(type(old), {**old.__dict__, "blocks": ()})
 
     def _get_timeline(self) -> dict[str, Any]:
         """The last step's memory timeline, converted from the session on first use (valid until the next step ends)."""

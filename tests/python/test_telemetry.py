@@ -360,3 +360,52 @@ def test_history_is_bounded(tapesac) -> None:
     assert len(sac.history) == 5 and sac.history[-1].step == 8
     assert sac.report().steps == 8 and len(sac.report().peaks) == 5
     sac.close()
+
+
+def test_history_keeps_per_block_detail_for_the_last_steps_only(tapesac) -> None:
+    """Note [History without per-block detail]: every StepStats stays in the history, its per-block tuple only for the
+    last HISTORY_BLOCK_STEPS steps (older: blocks=(), block_calls and the totals intact); the report is unchanged;
+    and a long run no longer keeps one BlockStats per block call per step alive."""
+    import gc
+
+    from tapesac import core
+
+    torch.manual_seed(0)
+    model = stack()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    keep = core.HISTORY_BLOCK_STEPS
+    assert keep == 16
+    n = keep + 4
+    for _ in range(n):
+        with sac.step():
+            model(x_in()).square().mean().backward()
+    hist = sac.history
+    assert [st.step for st in hist] == list(range(1, n + 1))
+    for st in hist[:-keep]:
+        assert st.blocks == () and st.block_calls == 2 and st.saved_tensors > 0 and st.memory is not None, st
+    for st in hist[-keep:]:
+        assert len(st.blocks) == st.block_calls == 2, st
+    old, new = hist[0], hist[-1]
+    assert (old.saved_tensors, old.dropped_bytes) == (new.saved_tensors, new.dropped_bytes)
+    assert sac.report().steps == n and len(sac.report().peaks) == n
+    assert sac.report().last["blocks"] and len(sac.report().last["blocks"]) == 2
+    sac.close()
+    # The objects a step leaves alive no longer grow with its block calls once the detail is dropped: a 24-block
+    # model retains as many per step as a 2-block one (each BlockStats kept added 1-2 objects per block call).
+    retained = {}
+    for n_blocks in (2, 24):
+        torch.manual_seed(0)
+        model = stack(n_blocks)
+        sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+        for _ in range(keep + 2):
+            with sac.step():
+                model(x_in()).square().mean().backward()
+        gc.collect()
+        before = len(gc.get_objects())
+        for _ in range(10):
+            with sac.step():
+                model(x_in()).square().mean().backward()
+        gc.collect()
+        retained[n_blocks] = (len(gc.get_objects()) - before) / 10
+        sac.close()
+    assert retained[24] <= retained[2] + 1, retained

@@ -12,6 +12,7 @@
 
 #include "tapesac/common/errors.h"
 #include "tapesac/replay/approx.h"
+#include "replay_guard.h"
 
 namespace tapesac::replay {
 
@@ -70,7 +71,7 @@ bool BlockApprox::run(OpIndex op, std::vector<c10::IValue>& stack) const {
 }
 
 void BlockApprox::finish(std::unordered_map<ValueId, at::Tensor>& rebuilt) const {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  ReplayDispatchGuard guard;  // Note [Replay outside the backward's transforms]
   for (auto& [value, tensor] : rebuilt) {
     auto it = scaled_match_.find(value);
     if (it == scaled_match_.end() || !tensor.defined()) continue;

@@ -13,6 +13,7 @@
 #include "tapesac/common/errors.h"
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/common/clock.h"
+#include "replay_guard.h"
 
 namespace tapesac::replay {
 namespace {
@@ -214,10 +215,9 @@ void execute(const ReplaySource& source, const std::vector<OpIndex>& ops, const 
   const Tape& tape = *source.tape;
   const auto& payloads = *source.payloads;
   GeneratorRestorer restorer;
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  // The tape holds the ops autocast produced (casts included): replay runs exactly those, whatever autocast state
-  // the backward runs under.
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  // The tape holds the ops autocast produced (casts included): replay runs exactly those, whatever autocast state or
+  // functorch layer the backward runs under (Note [Replay outside the backward's transforms]).
+  ReplayDispatchGuard guard;
   std::vector<at::Tensor> outs;
   std::vector<c10::IValue> observed_args;
   std::vector<uint8_t> list_copied;

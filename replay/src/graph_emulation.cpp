@@ -3,6 +3,7 @@
 
 #include "tapesac/replay/eager_replayer.h"
 #include "tapesac/common/clock.h"
+#include "replay_guard.h"
 
 #include <map>
 #include <mutex>
@@ -58,8 +59,7 @@ class EmulatedExec final : public capture::ExecGraph {
 
   void launch() override {
     if (current_ == nullptr) throw std::logic_error("EmulatedExec::launch: before_launch() was not called");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    ReplayDispatchGuard guard;  // Note [Replay outside the backward's transforms]
     GeneratorRestorer restorer;
     std::vector<at::Tensor> outs;
     for (size_t n = 0; n < nodes_.size(); ++n) {

@@ -725,6 +725,53 @@ def test_torch_func_transform_inside_a_step(transform: str) -> None:
         sac.close()
 
 
+class _DropoutBlock(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.1):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+_BATCHED_BACKWARDS = {
+    # autograd runs the backward under vmap over the batched grad_outputs
+    "is_grads_batched": lambda m, x, go: torch.autograd.grad(
+        m(x), [x] + list(m.parameters()), grad_outputs=go, is_grads_batched=True),
+    "jacobian_vectorize": lambda m, x, go: (torch.autograd.functional.jacobian(
+        lambda xx: m(xx).sum(0), x, vectorize=True),),
+}
+
+
+@pytest.mark.parametrize("how", list(_BATCHED_BACKWARDS))
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_a_backward_run_under_vmap_replays_random_ops_exactly(how: str, policy: str) -> None:
+    """A forward outside any transform whose backward autograd runs under vmap (is_grads_batched, jacobian with
+    vectorize=True): the replay of a dropout ran inside the vmap and raised PyTorch's untyped "We do not yet support
+    calling random operations inside of vmap". Replay runs its recorded ops outside the backward's functorch layers
+    (Note [Replay outside the backward's transforms]): exact, like plain PyTorch."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([_DropoutBlock(), _DropoutBlock()])
+    ref = copy.deepcopy(model)
+    x, go = torch.randn(3, 16), torch.randn(5, 3, 16)
+    torch.manual_seed(1)
+    want = _BATCHED_BACKWARDS[how](ref, x.clone().requires_grad_(), go)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    try:
+        torch.manual_seed(1)
+        with sac.step():
+            got = _BATCHED_BACKWARDS[how](model, x.clone().requires_grad_(), go)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_tensor(f"{how} result #{i}", g, w)
+        if policy == "full":
+            assert sac.last_step.dropped_tensors > 0 and sac.last_step.replays > 0, sac.last_step
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    finally:
+        sac.close()
+
+
 class _FuncInsideBlock(nn.Module):
     """A block whose forward itself uses torch.func (a force = -dE/dx head, as energy models do)."""
 
@@ -1201,3 +1248,4 @@ def test_policy_callable_that_raises_reaches_the_user() -> None:
         assert chained or "no decision for" in str(e), f"the policy's exception is lost: {e!r}"
     finally:
         sac.close()
+

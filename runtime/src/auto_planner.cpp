@@ -539,15 +539,36 @@ planner::StepProfile AutoPlanner::step_profile(planner::StepExtras* extras) cons
   return planner::profile_step(timeline, fwd_begin, fwd_end, starts, m.baseline, second_begins);
 }
 
+// Note [One tape, several must-keep patterns]. The tape signature says what a call computes, not what no replay can
+// rebuild: that also depends on the call's context (an input written in place by the block is rebuildable when it is
+// the previous block's output, not when it is a data batch; a value reading a storage the step keeps for another
+// reader). Two calls with one signature and different must_keep are two planning problems: keyed by the signature
+// alone, the first call's problem served both, and the second call's mask — which drops a value the first call had
+// to keep — failed validate_mask (an internal ConfigError at every step's exit; test_user_holes.py,
+// test_calls_with_one_tape_and_different_values_that_must_be_kept). The common case, every call of a signature with
+// one pattern, keeps the bare signature.
+std::string AutoPlanner::problem_key(const std::string& sig, const std::vector<uint8_t>& must_keep) {
+  std::string key = sig;
+  auto [first, inserted] = must_keep_of_.try_emplace(sig, must_keep);
+  if (inserted || first->second == must_keep) return key;
+  key += "+must:";
+  for (size_t k = 0; k < must_keep.size(); ++k) {
+    if (must_keep[k] != 0) key += std::to_string(k) + ",";
+  }
+  return key;
+}
+
 void AutoPlanner::observe(const replay::BlockTapeView& v) {
-  const std::string sig = hex_signature(v.signature);
-  cost_model_.observe(sig, planner::measured_costs(v.tape));
+  const std::string base = hex_signature(v.signature);
+  cost_model_.observe(base, planner::measured_costs(v.tape));
+  const std::string sig = problem_key(base, v.must_keep);
   auto it = problems_.find(sig);
   if (it == problems_.end()) {
     if (problems_.size() > options_.max_problems) {
       problems_.clear();
       holdable_.clear();
       alive_anyway_.clear();
+      must_keep_of_.clear();
     }
     auto p = std::make_shared<const planner::BlockProblem>(planner::problem_from_tape(
         v.tape, v.candidates, v.must_keep, std::vector<double>(v.tape.ops().size(), 0.0), sig));

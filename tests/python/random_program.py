@@ -395,7 +395,8 @@ class Program:
                           input_grad=rng.random() < 0.7, contract=rng.choice(["check", "check", "strict", "off"]),
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
-        return program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
+        return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
+                ._with_input_writes())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -437,6 +438,22 @@ class Program:
         hook = "record_function" if random.Random(f"issue20-hook-{self.seed}").random() < 0.25 else "dispatch_key"
         return dataclasses.replace(self, warmup=warmup, hook=hook)
 
+    def _with_input_writes(self) -> "Program":
+        """Blocks that write their own input in place before reading it (from their own RNG): the first block's input
+        is the data batch (no grad: its old bytes are gone, the written value is kept) or the stem's output, later
+        blocks' the previous block's output; with the first block called again (repeat_first) one tape runs on both
+        kinds of input, so its calls differ in what no replay can rebuild (Note [One tape, several must-keep
+        patterns], runtime/src/auto_planner.cpp; found by an adversarial test as an internal ConfigError)."""
+        rng = random.Random(f"input-writes-{self.seed}")
+        if rng.random() >= 0.2:
+            return self
+        blocks = [list(ops) for ops in self.blocks]
+        for i in range(len(blocks)):
+            if i == 0 or rng.random() < 0.3:
+                blocks[i].insert(0, OpSpec("input_inplace", p=rng.choice([0.5, 1.5, -1.0])))
+        return dataclasses.replace(self, blocks=tuple(tuple(ops) for ops in blocks),
+                                   repeat_first=self.repeat_first or rng.random() < 0.5)
+
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
         emulated graph captures on a later step than the first; a drawn warm-up (WARMUPS) is at least one step."""
@@ -448,6 +465,9 @@ class Program:
         out = []
         if "external_kernel" in self.ops():
             out.append("external_kernel")
+        if "input_inplace" in self.ops():
+            out.append("input_inplace" + (":repeated" if self.repeat_first and self.blocks[0][0].kind == "input_inplace"
+                                          else ""))
         out += [f"data_write:{w.where}" for w in self.data_writes]
         if self.step != "backward":
             out.append(f"step:{self.step}")
@@ -548,6 +568,10 @@ def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool
         return VIEW[kind[len("view_"):]](h)
     if kind in INPLACE:
         return _inplace(kind, h, p, q)
+    if kind == "input_inplace":  # op 0: the block writes its input in place (Program._with_input_writes)
+        if not (h.is_leaf and h.requires_grad):  # a leaf that requires grad refuses in-place writes
+            h.mul_(op.p)
+        return h
     if kind == "linear":
         return blk.mods[key](h)
     if kind == "linear2d":
@@ -717,13 +741,19 @@ class ProgramModel(nn.Module):
         self.blocks = nn.ModuleList(RandomBlock(ops, program.shape, program.tuple_out) for ops in program.blocks)
 
     def _call(self, blk: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if blk.ops and blk.ops[0].kind == "input_inplace" and h.requires_grad:
+            # The node that made h may have saved it (tanh saves its result): the block writes a fresh alias-free
+            # tensor whose node saves none, as a model that writes its input must give it.
+            h = _fresh(h, 1.0)
         out = blk(h)
         if isinstance(out, tuple):
             return out[0] + 0.1 * out[1]
         return out
 
     def write_target(self, w: DataWrite) -> torch.Tensor:
-        return self.blocks[w.block].mods["0"].weight if w.target == "weight" else self.block_inputs[w.block]
+        blk = self.blocks[w.block]
+        first_linear = next(str(i) for i, op in enumerate(blk.ops) if op.kind == "linear")  # op 0, or 1 after an input write
+        return blk.mods[first_linear].weight if w.target == "weight" else self.block_inputs[w.block]
 
     def data_write(self, w: DataWrite) -> None:
         self.write_target(w).data.mul_(w.factor)  # through .data: the version counter does not move

@@ -458,3 +458,21 @@ def test_auto_keeps_everything_at_the_no_checkpoint_peak_once_kept_values_go_wit
     assert R.auto_limit_for(program).frac == 1.0
     outcome = _keeps_everything_at_the_no_checkpoint_peak(seed)
     assert outcome.stats["full"].memory.peak_bytes < outcome.stats["none"].memory.peak_bytes
+
+
+def test_a_tape_whose_calls_differ_in_what_must_be_kept_plans_without_an_internal_error() -> None:
+    """Program 1466 (Program._with_input_writes): block 0 writes its input in place and runs twice (repeat_first) —
+    on the stem's output, then on the last block's — so one tape has two must-keep patterns. The planner took the
+    first call's problem for both and the second call's keep mask failed validate_mask: an internal ConfigError at
+    the step's exit under auto (Note [One tape, several must-keep patterns]; an adversarial test found the family)."""
+    seed = 1466
+    program = R.Program.generate(seed)
+    assert "input_inplace:repeated" in program.families(), program.families()
+    R.check_program(seed, ["full", "none", "auto"])  # raises ProgramFailure with the step's error
+
+
+def test_generator_covers_blocks_writing_their_input() -> None:
+    """Blocks that write their own input in place, and a repeated first block doing so, are frequent enough."""
+    fams = Counter(f for seed in range(max(N_PROGRAMS, 500)) for f in R.Program.generate(seed).families())
+    assert fams["input_inplace"] + fams["input_inplace:repeated"] >= 60, fams
+    assert fams["input_inplace:repeated"] >= 25, fams

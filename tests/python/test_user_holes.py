@@ -1249,3 +1249,45 @@ def test_policy_callable_that_raises_reaches_the_user() -> None:
     finally:
         sac.close()
 
+
+class _InplaceOnInputBlock(nn.Module):
+    """Writes its input in place, then saves the written tensor: the first block's input (a data batch, no grad) can
+    be rebuilt by no replay, the later blocks' inputs (the previous block's output) can."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return self.fc(x.sin())
+
+
+@pytest.mark.parametrize("kw", [dict(policy="full"), dict(policy={"aten::addmm"}),
+                                dict(policy="full", backend="emulated_graph"), dict(policy="auto", memory_limit="1MiB"),
+                                dict(policy="auto", memory_limit="1MiB", schedule="lazy")],
+                         ids=["full", "op_set", "emulated_graph", "auto", "auto_lazy"])
+def test_calls_with_one_tape_and_different_values_that_must_be_kept(kw: dict) -> None:
+    """Two calls of one tape (one signature) differ in what no replay can rebuild (here the in-place-written input of
+    the first block, a batch without grad, vs the previous block's output): the planner took the first call's problem
+    for both, and the second call's mask, which drops that value, failed its check — an internal ConfigError at every
+    step's exit, after an exact backward (found by an adversarial test). Each must-keep pattern is its own problem
+    (Note [One tape, several must-keep patterns], runtime/src/auto_planner.cpp): every step exact and error-free."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([_InplaceOnInputBlock(), _InplaceOnInputBlock()])
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", **kw)
+    try:
+        for step in range(3):
+            x = torch.randn(4, 8)
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            ref(x.clone()).square().sum().backward()
+            with sac.step():
+                model(x.clone()).square().sum().backward()
+            assert_same_grads(model, ref, f"step {step}: ")
+        assert sac.last_step.dropped_tensors > 0 or kw["policy"] == "auto", sac.last_step
+    finally:
+        sac.close()

@@ -174,6 +174,9 @@ class AutoPlanner {
   int64_t keep_all_ceiling(const Prepared& prep, int64_t measured_peak) const;
   PlanInfo install(const planner::StepPlan& plan, const planner::StepInput& input);
   void observe(const replay::BlockTapeView& view);
+  /// The problems_ key of a call: its signature, suffixed by its must_keep pattern when another call of that
+  /// signature came with another one (Note [One tape, several must-keep patterns]).
+  std::string problem_key(const std::string& sig, const std::vector<uint8_t>& must_keep);
 
   replay::Session& session_;
   AutoPlannerOptions options_;
@@ -183,6 +186,8 @@ class AutoPlanner {
   // Per call (name and signature): candidates found alive anyway after a forward that dropped them (kept by every
   // later plan of that call).
   std::unordered_map<std::string, std::unordered_set<int32_t>> alive_anyway_;
+  // Per signature: the must_keep pattern of its first call (Note [One tape, several must-keep patterns]).
+  std::unordered_map<std::string, std::vector<uint8_t>> must_keep_of_;
   std::vector<Call> calls_;
   planner::PeakModel last_model_;
   planner::SequencePeakModel seq_;

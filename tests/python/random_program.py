@@ -320,6 +320,8 @@ _USES_POOL2 = {"transpose_mul_", "addcmul_", "chain_", "where"}
 
 DATA_WRITE_POINTS = ("forward", "backward", "between")
 STEP_SHAPES = ("backward", "retain_twice", "two_losses", "autograd_grad", "grad_then_backward")
+# Drawn by Program._with_batched_backward from its own RNG (the shapes above keep their draws).
+BATCHED_SHAPE = "grads_batched"
 SCHEDULES = ("one_segment", "planned", "hold_all", "lazy")  # Config.schedule
 WARMUPS = ("none", "same", "strided")  # Program.warmup (issue 20)
 HOOKS = ("dispatch_key", "record_function")  # Program.hook (issue 20: Note [Dispatch hook])
@@ -396,7 +398,7 @@ class Program:
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
-                ._with_input_writes())
+                ._with_input_writes()._with_batched_backward())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -453,6 +455,13 @@ class Program:
                 blocks[i].insert(0, OpSpec("input_inplace", p=rng.choice([0.5, 1.5, -1.0])))
         return dataclasses.replace(self, blocks=tuple(tuple(ops) for ops in blocks),
                                    repeat_first=self.repeat_first or rng.random() < 0.5)
+
+    def _with_batched_backward(self) -> "Program":
+        """A plain backward turned into autograd.grad(..., is_grads_batched=True) (from its own RNG): autograd runs it
+        under vmap, and the replays inside it (Note [Replay outside the backward's transforms])."""
+        if self.step != "backward" or self.data_writes or random.Random(f"batched-{self.seed}").random() >= 0.08:
+            return self
+        return dataclasses.replace(self, step=BATCHED_SHAPE)
 
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
@@ -869,6 +878,13 @@ def run_step(model: "ProgramModel", program: Program, x: torch.Tensor) -> torch.
         l2.backward()
         _accumulate(wrt, g1)
         loss = l1 + l2
+    elif shape == "grads_batched":
+        # autograd runs the backward under vmap over the two grad_outputs (Note [Replay outside the backward's
+        # transforms], replay/src/replay_guard.h): replays, and their random ops, run inside it
+        loss = loss_of(out)
+        go = torch.tensor([1.0, -0.5], dtype=loss.dtype)
+        grads = torch.autograd.grad(loss, wrt, grad_outputs=go, is_grads_batched=True, allow_unused=True)
+        _accumulate(wrt, tuple(None if g is None else g[0] + g[1] for g in grads))
     else:
         raise KeyError(shape)
     return loss.detach()

@@ -476,3 +476,10 @@ def test_generator_covers_blocks_writing_their_input() -> None:
     fams = Counter(f for seed in range(max(N_PROGRAMS, 500)) for f in R.Program.generate(seed).families())
     assert fams["input_inplace"] + fams["input_inplace:repeated"] >= 60, fams
     assert fams["input_inplace:repeated"] >= 25, fams
+
+
+def test_generator_covers_backwards_run_under_vmap() -> None:
+    """Steps whose backward autograd runs under vmap (is_grads_batched: Program._with_batched_backward), where the
+    replays of random ops used to raise PyTorch's untyped vmap error, are frequent enough."""
+    steps = Counter(R.Program.generate(seed).step for seed in range(max(N_PROGRAMS, 500)))
+    assert steps[R.BATCHED_SHAPE] >= 12, steps

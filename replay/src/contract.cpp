@@ -86,15 +86,23 @@ ResolvedLive ReplayContract::resolve_live(const Tape& tape, const std::vector<ui
       const auto v = static_cast<size_t>(a.value);
       if (v >= live.size() || !live[v].defined() || live[v].is_inference() || out.subs.count(a.value)) continue;
       if (classify_read(tape, available, a.value, a.state, a.meta_only) != ReadSource::kLive) continue;
+      bool storage_replaced = false;
       if (v < origins_.size()) {
         const std::string replaced = replaced_storage(origins_[v], live[v]);
-        if (!replaced.empty() && out.recovered.find(replaced) == std::string::npos) {
+        storage_replaced = !replaced.empty();
+        if (storage_replaced && out.recovered.find(replaced) == std::string::npos) {
           append(out.recovered, value_label(a.value) + " (input of " + op_label(tape, i) + "): " + replaced);
         }
       }
-      const uint32_t now = live[v].unsafeGetTensorImpl()->version_counter().current_version();
+      uint32_t now = live[v].unsafeGetTensorImpl()->version_counter().current_version();
       // Writes the watcher saw that bypassed the version counter (through `.data` or another detached alias).
       const int64_t seen = watcher_ ? watcher_->writes_since(live[v], marks_[v]) : 0;
+      // Note [A replaced storage's version]. The version counter belongs to the tensor, and follows it to the
+      // storage `.data = ...` or set_ gave it: every set_ and every write to the new storage moves it, none touches
+      // the bytes the replay reads (the forward's storage, held in `live`). There, only the writes the watcher saw
+      // to that storage count: two set_ calls (or set_ then a write to the new storage) were rejected as "version
+      // moved by 2 but the step's thread made only 1 in-place writes" (found by an adversarial test).
+      if (storage_replaced) now = versions_[v] + static_cast<uint32_t>(seen);
       if (now == versions_[v] && seen == 0) continue;
       if (swapped.count(storage_key(live[v]))) continue;
       if (recover(tape, i, a.value, live[v], now, out, wanted)) swapped.insert(storage_key(live[v]));

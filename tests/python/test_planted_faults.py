@@ -89,6 +89,20 @@ def _replace_data(m: Net, x: torch.Tensor, loss: torch.Tensor) -> None:
     w.data = w.data * 2.0  # new storage; version counters are not bumped
 
 
+def _set_twice(m: Net, x: torch.Tensor, loss: torch.Tensor) -> None:
+    w = m.layers[0].fc1.weight
+    with torch.no_grad():  # Tensor.set_: the dispatcher's `.data =` (new storage, version bumped each time)
+        w.set_(w.detach().clone() * 2.0)
+        w.set_(w.detach().clone() * 2.0)
+
+
+def _set_then_write(m: Net, x: torch.Tensor, loss: torch.Tensor) -> None:
+    w = m.layers[0].fc1.weight
+    with torch.no_grad():
+        w.set_(w.detach().clone() * 2.0)
+        w.mul_(3.0)  # writes the new storage: the forward's bytes are untouched
+
+
 def _write_through_data(m: Net, x: torch.Tensor, loss: torch.Tensor) -> None:
     m.layers[0].fc1.weight.data.add_(1.0)  # same storage, no version bump: only the write watcher sees it
 
@@ -104,6 +118,10 @@ FAULTS = [
     Fault("write through an alias (view) of a block input", _write_through_alias, "recovered"),
     Fault("global RNG state changed (dropout in the block)", _change_global_rng, "match", p_drop=0.3),
     Fault("tensor's .data replaced", _replace_data, "recovered"),
+    # Found by an adversarial test: rejected, the message blaming another thread ("its version moved by 2 but the
+    # step's thread made only 1 in-place writes"): the version counter follows the tensor to its new storage.
+    Fault("tensor's storage replaced twice with set_", _set_twice, "recovered"),
+    Fault("storage replaced with set_, then the new one written", _set_then_write, "recovered"),
     Fault("write through .data (no version bump)", _write_through_data, "recovered"),
     Fault("write through numpy, contract=strict", _write_through_numpy, "divergent", contract="strict"),
 ]
@@ -249,7 +267,7 @@ def test_custom_function_the_recorder_cannot_see_is_kept_and_exact() -> None:
 def test_fault_table_counts() -> None:
     """The README's table: every planted fault is recovered, matched or detected; none silent."""
     outcomes = [f.expected for f in FAULTS] + ["match"]  # + the custom Function
-    assert len(outcomes) == 9
-    assert outcomes.count("recovered") == 5
+    assert len(outcomes) == 11
+    assert outcomes.count("recovered") == 7
     assert outcomes.count("rejected") + outcomes.count("divergent") == 2
     assert outcomes.count("match") == 2

@@ -60,6 +60,11 @@ bool contains_tensor(const c10::IValue& v) {
 // The reason a recording failed, never empty: torch's python_error (a Python exception raised below the dispatcher)
 // carries its message only once persisted, which needs the GIL, so its what() is "" here.
 std::string reason_of(const std::exception& e) {
+  // A c10::Error's what() carries the C++ backtrace (dozens of frames): the capture error is logged and reported.
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    const char* msg = c10_error->what_without_backtrace();
+    if (msg != nullptr && *msg != '\0') return msg;
+  }
   const char* what = e.what();
   if (what != nullptr && *what != '\0') return what;
   return "an exception without a message (" + c10::demangle(typeid(e).name()) +

@@ -1,6 +1,8 @@
 // Tensor identity (see tensor_identity.h).
 #include "tapesac/capture/tensor_identity.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <utility>
 
 namespace tapesac::capture {
@@ -13,6 +15,11 @@ const void* storage_key(const at::Tensor& t) {
 at::Tensor detached_alias(const at::Tensor& t) {
   if (!t.defined()) return t;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  // Bookkeeping, not the user's computation: with a TorchDispatchMode active, shallow_copy_and_detach asks the
+  // mode's Python detach (FlopCounterMode returned a float for a wrapped number: a capture error per block call).
+  // Tensor subclasses that dispatch to Python are never recorded (Note [Python tensor subclasses]).
+  c10::impl::ExcludeDispatchKeyGuard no_python(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
   auto copy = impl->shallow_copy_and_detach(impl->version_counter(), /*allow_tensor_metadata_change=*/false);
   return at::Tensor(std::move(copy));
 }

@@ -496,3 +496,31 @@ def test_compiled_block_is_kept_with_a_warning(tapesac, caplog) -> None:
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     sac.close()
+
+
+def test_a_step_context_entered_twice_raises_a_typed_error(tapesac) -> None:
+    """`ctx = sac.step()` made once outside the loop and entered every step: the second `with ctx:` raised contextlib's
+    AttributeError ('_GeneratorContextManager' object has no attribute 'args'; found by an adversarial test). Now a
+    TapeSACError saying to call sac.step() per step, with nothing left installed; the next proper step is exact."""
+    torch.manual_seed(0)
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    x = torch.randn(4, M.D)
+    hooks = lambda: [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks]  # noqa: E731
+    outside = hooks()
+    ctx = sac.step()
+    with ctx:
+        model(x).square().mean().backward()
+    with pytest.raises(tapesac.TapeSACError, match="already entered.*inside the training loop"):
+        with ctx:
+            model(x).square().mean().backward()
+    assert not sac.in_step and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert hooks() == outside, "the step's block hooks were left installed"
+    model.zero_grad(set_to_none=True)
+    with sac.step():
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    sac.close()

@@ -27,6 +27,23 @@ from .errors import ConfigError, TapeSACError
 __all__ = ["Attachment"]
 
 
+def _steppable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose step() hooks fire: a wrapper that subclasses Optimizer without running its __init__
+    (accelerate's AcceleratedOptimizer) has no hook tables — register_step_pre_hook raised a bare AttributeError —
+    and steps the optimizer it wraps, whose step() is the one that updates (once per accumulation cycle)."""
+    seen = set()
+    while not hasattr(optimizer, "_optimizer_step_pre_hooks") and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ConfigError(
+                f"attach(optimizer): {type(optimizer).__name__} is a torch.optim.Optimizer that was not initialised as "
+                f"one (no step hooks) and wraps no optimizer in `.optimizer`; pass the torch optimizer it steps, or "
+                f"None and call end_step() after each step")
+        optimizer = inner
+    return optimizer
+
+
 class Attachment:
     """The handle ``sac.attach(optimizer)`` returns: steps start at the first block forward and end at
     ``optimizer.step()`` (or ``end_step()``). Also a context manager that detaches on exit."""
@@ -38,10 +55,15 @@ class Attachment:
         self._sac = sac
         self._step: Any = None  # the open step's context manager
         self._handles: list[Any] = []
-        for name, module in sac.blocks:
-            self._handles.append(module.register_forward_pre_hook(self._starter(name), prepend=True))
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.end_step()))
+        try:
+            if optimizer is not None:
+                self._handles.append(_steppable(optimizer).register_step_pre_hook(
+                    lambda opt, args, kwargs: self.end_step()))
+            for name, module in sac.blocks:
+                self._handles.append(module.register_forward_pre_hook(self._starter(name), prepend=True))
+        except BaseException:
+            self.detach()  # nothing is left behind by an attach that failed
+            raise
 
     @property
     def step_open(self) -> bool:

@@ -35,6 +35,7 @@ from .memory import MemoryStats, frozen_from, parse_memory_limit
 from .policy import CallablePolicy, OpSetPolicy, parse_policy
 from .preserve import Trial
 from .stats import BlockStats, StepStats, block_stats_from, step_stats_from
+from .step_context import StepContext
 
 __all__ = ["TapeSAC", "Approx", "Config", "StepStats", "BlockStats", "record_ops"]
 
@@ -45,27 +46,6 @@ HISTORY_BLOCK_STEPS = 16
 
 _thread_state = threading.local()
 
-
-class _StepContext:
-    """What ``sac.step()`` returns: the step's context manager, entered once. Entering it again used to fail inside
-    contextlib with an AttributeError ('_GeneratorContextManager' object has no attribute 'args')."""
-
-    __slots__ = ("_cm", "_entered")
-
-    def __init__(self, cm: Any) -> None:
-        self._cm = cm
-        self._entered = False
-
-    def __enter__(self) -> "TapeSAC":
-        if self._entered:
-            raise TapeSACError(
-                "this sac.step() context was already entered: sac.step() makes the context of one step. Call it for "
-                "every step — `with sac.step():` inside the training loop — rather than once outside it.")
-        self._entered = True
-        return self._cm.__enter__()
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        return self._cm.__exit__(*exc)
 
 
 def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
@@ -199,10 +179,10 @@ class TapeSAC:
         return self._approx
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def step(self) -> "_StepContext":
+    def step(self) -> StepContext:
         """Context manager around one training step (forward and backward both inside): ``with sac.step():`` in the
         loop, one per step (the object it returns is entered once; entering it again raises TapeSACError)."""
-        return _StepContext(self._step_context())
+        return StepContext(self._step_context())
 
     @contextlib.contextmanager
     def _step_context(self) -> Iterator["TapeSAC"]:

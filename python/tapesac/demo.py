@@ -186,9 +186,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    from .cli_args import at_least, positive_finite
+
+    for option, value in (("--steps", args.steps), ("--batch", args.batch), ("--seq", args.seq),
+                          ("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
+                          ("--threads", args.threads)):
+        at_least(option, value, 1)
+    at_least("--val-batches", args.val_batches, 0)
+    positive_finite("--lr", args.lr)
     heads = args.heads if args.heads is not None else max(1, args.hidden // 32)
+    if args.hidden % heads:
+        raise SystemExit(f"--heads {heads} must divide --hidden {args.hidden}")
     kv_heads = 2 if heads % 2 == 0 else 1
     policy = _parse_policy(args.policy)
 

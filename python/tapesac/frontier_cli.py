@@ -44,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
     from .frontier import Frontier
     from .progress import Progress
 
+    from .cli_args import at_least
+
+    at_least("--rounds", args.rounds, 1)
+    at_least("--points", args.points, 2)
     variants = "ckpt,torch_sac,tapesac_full,tapesac_auto_0.25,tapesac_auto_0.5,tapesac_auto_0.75"
     bench_args = build_parser().parse_args(
         ["--size", args.size, "--models", args.model, "--variants", variants, "--rounds", str(args.rounds),

@@ -130,6 +130,16 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   // A step whose blocks' saved tensors no backward read (a forward-only step, grad enabled) says nothing about the
   // backward's memory: no plan is made from it (auto keeps measuring) and the plan in use stays.
   if (session_.last_summary().totals.unpacks == 0) return;
+  // Note [A fallback that ran over]. A measured fallback predicts the step from the peak its measuring step measured
+  // (shifted by the baseline's growth), which holds while the rest of the step does: a model grown outside the blocks
+  // (a wider head, longer sequences in the loss) ran 69% over the limit every later step, flagged, neither tightening
+  // nor raising (found by an adversarial test). A fallback that ran over measured the masks it falls back to: it is
+  // the measuring step now, and planning from it either finds a plan or names the limit infeasible.
+  if (limit_ > 0 && measured > limit_ && (lazy_fallback_ || fallback_plan_) && full_step_) {
+    full_step_ = MeasuredStep{measured, session_.last_memory().baseline, step, planner_->call_signatures()};
+    lazy_fallback_ = false;
+    fallback_plan_ = false;
+  }
   if (lazy_fallback_) return;  // lazy replays without plans for the rest of the limit (Note [Measured fallback])
   const auto& blocks = session_.last_stats();
   const bool measuring = std::none_of(blocks.begin(), blocks.end(), [](const replay::BlockStats& b) { return b.planned; });
@@ -167,8 +177,10 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
     d.margin_bytes = std::max(d.margin_bytes, limit_ - predicted + 1);
   }
   std::string reason = d.reason;
+  fallback_made_ = false;
   ReservedPlan r = make_plan(d, measured, baseline, measuring, &reason);
   install_plan(std::move(r), d, reason, step, measured, baseline, step_params_baseline_);
+  fallback_plan_ = fallback_made_;
 }
 
 // Note [Top-up] (planner/top_up.h) in the runtime: after a step that ran the plan in use on every call, within the
@@ -242,6 +254,7 @@ void Runtime::install_plan(ReservedPlan r, const ReplanDecision& d, const std::s
 }
 
 void Runtime::adopt(PlanInfo info, int64_t baseline, int64_t params_baseline) {
+  fallback_plan_ = false;  // replan_if_needed marks a measured fallback after adopting it
   plan_ = std::move(info);
   plan_baseline_ = baseline;
   plan_params_baseline_ = params_baseline;
@@ -270,6 +283,7 @@ ReservedPlan Runtime::measured_fallback(int64_t full_peak, const std::string& wh
   const std::string measured_then = " of step " + std::to_string(full_step_->step) + " measured " +
                                     std::to_string(full_step_->peak_bytes) + " bytes";
   ReservedPlan r;
+  fallback_made_ = true;
   if (planned_schedules_) {
     // Every call replays as the measured step did, for the rest of this limit: its masks (fixed, or "full"'s for
     // auto, whose calls drop everything without a plan) with the unplanned schedule (lazy under a limit).
@@ -320,6 +334,7 @@ void Runtime::set_memory_limit(int64_t bytes) {
   session_.set_graph_memory_limit(bytes);
   limit_ = bytes;
   lazy_fallback_ = false;
+  fallback_plan_ = false;
   probed_ = false;
   probe_running_ = false;
   apply_unplanned_schedule();

@@ -135,3 +135,52 @@ def test_abandoned_step_context_is_reported(tapesac, caplog) -> None:
         default_loss(model, (x,)).backward()
     assert_same_grads(model, ref)
     sac.close()
+
+
+class _UninitialisedWrapper(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: an Optimizer subclass that never runs Optimizer.__init__ (no hook
+    tables) and steps the optimizer it wraps in `.optimizer` (here only every `every`-th call: accumulation)."""
+
+    def __init__(self, optimizer, every: int = 1):  # noqa: super().__init__ deliberately not called
+        self.optimizer, self.every, self.calls = optimizer, every, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self.calls % self.every == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def test_attach_to_a_wrapped_optimizer_steps_at_the_inner_one(tapesac) -> None:
+    """Found by an adversarial test with accelerate: attach(AcceleratedOptimizer) raised torch's bare AttributeError
+    ('no attribute _optimizer_step_pre_hooks') and left its block hooks installed, so the next plain forward opened a
+    step that never closed, even after close(). The wrapper's inner optimizer is hooked: one step per real update,
+    exact; a wrapper with nothing to unwrap raises ConfigError and leaves no hook."""
+    model = stack()
+    ref = copy.deepcopy(model)
+    before = _hooks(model)
+    xs = [x_in().detach() for _ in range(4)]
+    opt = _UninitialisedWrapper(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    attachment = sac.attach(opt)
+    for x in xs:  # the wrapper is stepped every micro-batch, the SGD every second one
+        (default_loss(model, (x,)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    _train(ref, ref_opt, xs, accumulate=2)
+    assert_same_params(model, ref, "after attached training through a wrapper")
+    assert [s.block_calls for s in sac.history] == [4, 4], [s.block_calls for s in sac.history]
+    attachment.detach()
+
+    bad = _UninitialisedWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    bad.optimizer = None
+    with pytest.raises(tapesac.ConfigError, match="pass the torch optimizer it steps"):
+        sac.attach(bad)
+    default_loss(model, (xs[0],)).backward()  # a plain forward after the failed attach opens no step
+    assert not sac.in_step
+    sac.close()
+    assert _hooks(model) == before, "hooks left after close()"

@@ -129,3 +129,26 @@ def test_progress_goes_to_stderr_through_tqdm(tapesac, capsys) -> None:
     Progress(enabled=False)("nothing", force=True)
     out, err = capsys.readouterr()
     assert out == "" and "] first" in err and "second" not in err and "nothing" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--batch", "0"], ["demo", "--seq", "0"], ["demo", "--hidden", "0"], ["demo", "--heads", "0"],
+    ["demo", "--heads", "5"], ["demo", "--lr", "nan"], ["demo", "--lr", "-1"], ["demo", "--val-batches", "-1"],
+    ["demo", "--layers", "0"], ["frontier", "--rounds", "0"], ["frontier", "--points", "1"],
+], ids=lambda a: "_".join(a).replace("--", ""))
+def test_bad_option_values_are_one_line_usage_errors(tapesac, capsys, argv) -> None:
+    """Found by an adversarial test: these failed deep in the job and exited 1 as "internal error ... report it"
+    (a ZeroDivisionError for --heads 0, AdamW's ValueError for --lr nan). Now one line naming the option, exit 2,
+    before anything is built."""
+    assert _cli().main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tapesac {argv[0]}: error: {argv[1]}"), err
+
+
+def test_validate_with_a_limit_below_the_floor_is_a_usage_error(tapesac, capsys) -> None:
+    """A limit below the floor is the caller's to fix, not an exactness verdict: it printed "NOT bitwise equal" with
+    every gradient differing and exited 1 (found by an adversarial test). Now MemoryLimitError's one line, exit 2."""
+    assert _cli().main(["validate", "--policy", "auto", "--memory-limit", "1KiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tapesac validate: error: tapesac: memory_limit"), err
+    assert "smallest feasible" in err[0]

@@ -336,3 +336,48 @@ def test_frontier_cli_smoke(tmp_path, capsys) -> None:
     assert len(data["frontier"]["planned"]) == 5
     labels = [m["label"] for m in data["frontier"]["measured"]]
     assert any("checkpoint" in label for label in labels) and any("PyTorch SAC" in label for label in labels)
+
+
+class _GrowingHeadMLP(torch.nn.Module):
+    def __init__(self, n: int = 4, d: int = 64, h: int = 256):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, h), torch.nn.GELU(), torch.nn.Linear(h, d))
+            for _ in range(n))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:
+            x = x + blk(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("schedule", ["one_segment", "planned"])
+def test_a_fallback_that_runs_over_the_limit_is_measured_again(tapesac, schedule) -> None:
+    """Found by an adversarial test: the model grew outside the blocks (a wider head: [512, 2048] logits) under a limit
+    the old model met. Auto fell back to the masks of its measuring step (Note [Measured fallback]), predicted from that
+    step's peak, which no longer held: every later step ran 69% over the limit, flagged, and neither tightened nor
+    raised. A fallback that runs over is a measurement of the least-memory masks (Note [A fallback that ran over],
+    runtime/src/runtime.cpp): the limit is then infeasible and MemoryLimitError names the figure measured."""
+    torch.manual_seed(0)
+    model = _GrowingHeadMLP()
+    x = torch.randn(512, 64)
+    limit = 3_800_000
+    sac = tapesac.TapeSAC(model, blocks="layers.*", memory_limit=limit, schedule=schedule)
+    for _ in range(3):
+        with sac.step():
+            model(x).backward()
+        model.zero_grad(set_to_none=True)
+        assert not sac.last_step.over_limit, sac.last_step.memory.peak_bytes
+    model.head = torch.nn.Linear(64, 2048)
+    over = 0
+    with pytest.raises(tapesac.MemoryLimitError) as ei:
+        for _ in range(4):
+            with sac.step():
+                model(x).backward()
+            model.zero_grad(set_to_none=True)
+            over += sac.last_step.over_limit
+    assert over <= 2, f"{over} steps over the limit before the error"
+    peak = sac.last_step.memory.peak_bytes
+    assert str(peak) in str(ei.value), (peak, str(ei.value))
+    sac.close()

@@ -172,6 +172,10 @@ class Runtime {
   std::optional<MeasuredStep> full_step_;
   // The calls replay lazily without plans for the rest of the limit (Note [Measured fallback]).
   bool lazy_fallback_ = false;
+  // The plan in use is a measured fallback (one-segment schedules: the least-memory masks); Note [A fallback that
+  // ran over]. fallback_made_: make_plan chose one for the plan being made.
+  bool fallback_plan_ = false;
+  bool fallback_made_ = false;
   double keep_all_probe_ = 0;    // RuntimeOptions::keep_all_probe
   bool probed_ = false;          // a keep-everything probe ran (or is running) under this limit
   bool probe_running_ = false;   // the plan in use is the probe's: the step after it is planned again

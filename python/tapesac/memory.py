@@ -85,7 +85,11 @@ def parse_memory_limit(value: Any, device: torch.device | str = "cpu") -> int | 
     if unit == "%":
         if not 0 < number <= 100:
             raise ConfigError(f"memory_limit={value!r}: a percentage must be in (0, 100]")
-        return int(_total_memory(torch.device(device)) * number / 100)
+        limit = int(_total_memory(torch.device(device)) * number / 100)
+        if limit < 1:  # it used to become 0 bytes, which means "no limit"
+            raise ConfigError(f"memory_limit={value!r}: that percentage of {_total_memory(torch.device(device))} bytes "
+                              f"is less than one byte; a limit must be positive (or None for none)")
+        return limit
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(f"memory_limit={value!r}: unknown unit {unit!r}; use B, KB/MB/GB/TB (powers of 1000) or "

@@ -105,6 +105,11 @@ class StepReport:
             records.append(rec)
         if not records:
             raise ConfigError(f"{p} holds no step records; run steps with TapeSAC(log={str(p)!r}) first")
+        # A log is appended to: a run starts where the step numbers start again (each TapeSAC counts from 1). The
+        # report is the last run's; mixing them labelled one policy with another run's medians and peaks.
+        start = max((i for i in range(1, len(records)) if records[i].get("step", 0) <= records[i - 1].get("step", 0)),
+                    default=0)
+        records = records[start:]
         blocks = [b["name"] for b in records[-1]["blocks"]]
         timeline = next((r["timeline"] for r in reversed(records) if r.get("timeline")), {})
         for r in records:

@@ -214,7 +214,8 @@ def test_memory_limit_forms(tapesac) -> None:
     from tapesac.memory import physical_memory_bytes
 
     assert parse("50%") == physical_memory_bytes() // 2
-    for bad in ("-1GiB", "20 parsecs", "0", "150%", 0, -5, 1.5, True, [1], "GiB"):
+    # "0.00000000001%" rounded to 0 bytes, which means no limit (found by an adversarial test).
+    for bad in ("-1GiB", "20 parsecs", "0", "150%", "0.00000000001%", 0, -5, 1.5, True, [1], "GiB"):
         with pytest.raises(tapesac.ConfigError) as ei:
             parse(bad)
         assert "memory_limit" in str(ei.value)
@@ -409,3 +410,24 @@ def test_history_keeps_per_block_detail_for_the_last_steps_only(tapesac) -> None
         retained[n_blocks] = (len(gc.get_objects()) - before) / 10
         sac.close()
     assert retained[24] <= retained[2] + 1, retained
+
+
+def test_a_log_appended_by_two_runs_reports_the_last_run(tapesac, tmp_path) -> None:
+    """Found by an adversarial test: two TapeSACs logging to one path (logs are appended: a reused --log) made
+    from_jsonl label the report with the last policy but take its medians and peaks over both runs. A run starts where
+    the step numbers start again: the report is the last run's, equal to its live report."""
+    model = _qwen()
+    log = tmp_path / "shared.jsonl"
+    live = {}
+    for policy in ("none", "full"):
+        sac = tapesac.TapeSAC(model, policy=policy, log=log)
+        for _ in range(3):
+            with sac.step():
+                _lm_step(model, _tokens())
+            model.zero_grad(set_to_none=True)
+        live[policy] = sac.report()
+        sac.close()
+    assert len(log.read_text().splitlines()) == 6
+    rep = tapesac.StepReport.from_jsonl(log)
+    assert rep.policy == "full" and rep.steps == 3, (rep.policy, rep.steps)
+    assert rep.peaks == live["full"].peaks and rep.median_step_ms == live["full"].median_step_ms

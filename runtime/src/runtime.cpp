@@ -340,8 +340,12 @@ void Runtime::set_memory_limit(int64_t bytes) {
   apply_unplanned_schedule();
   if (chooser_.set_limit(bytes)) chooser_.apply(session_);
   if (planner_ && plan_) {
-    plan_.reset();  // re-plan after the next step, under the new limit
+    // Re-plan after the next step, under the new limit: that step runs without plans (the masks of policy "full",
+    // auto's measuring masks). The calls' plans were left installed, so a lowered limit's first step ran the old
+    // plan, unenforced (113% over a feasible limit, flagged; found by an adversarial test).
+    plan_.reset();
     replan_.reset();
+    session_.set_plans({});
   }
 }
 

@@ -381,3 +381,33 @@ def test_a_fallback_that_runs_over_the_limit_is_measured_again(tapesac, schedule
     peak = sac.last_step.memory.peak_bytes
     assert str(peak) in str(ei.value), (peak, str(ei.value))
     sac.close()
+
+
+def test_a_lowered_limit_is_met_from_the_next_step(tapesac) -> None:
+    """Found by an adversarial test: after `sac.memory_limit = lower` (feasible: above full's peak) the next step ran
+    the old plan's masks — keeping everything — and peaked 113% over the new limit, flagged, while sac.plan said no
+    plan was in use. The setter uninstalls the calls' plans: the next step measures with full's masks, within the
+    limit, and the steps after it run a plan made under it."""
+    torch.manual_seed(0)
+    model = _GrowingHeadMLP()
+    x = torch.randn(512, 64)
+    full = tapesac.TapeSAC(model, blocks="layers.*", policy="full", schedule="one_segment")
+    with full.step():
+        model(x).backward()
+    model.zero_grad(set_to_none=True)
+    full_peak = full.last_step.memory.peak_bytes
+    full.close()
+    sac = tapesac.TapeSAC(model, blocks="layers.*", memory_limit=4 * full_peak)
+    for _ in range(3):
+        with sac.step():
+            model(x).backward()
+        model.zero_grad(set_to_none=True)
+    assert sac.last_step.memory.peak_bytes > int(1.06 * full_peak), "the generous plan should keep more than full"
+    sac.memory_limit = int(1.06 * full_peak)
+    assert sac.plan is None
+    for i in range(3):
+        with sac.step():
+            model(x).backward()
+        model.zero_grad(set_to_none=True)
+        assert not sac.last_step.over_limit, (i, sac.last_step.memory.peak_bytes, sac.memory_limit)
+    sac.close()

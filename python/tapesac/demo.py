@@ -185,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_module("demo", argv)
 
 
-def run(args: argparse.Namespace) -> int:
+def _heads(args: argparse.Namespace) -> int:
+    """The attention heads, after the numeric options are checked (a bad value is a usage error, cli_args)."""
     from .cli_args import at_least, positive_finite
 
     for option, value in (("--steps", args.steps), ("--batch", args.batch), ("--seq", args.seq),
@@ -197,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
     heads = args.heads if args.heads is not None else max(1, args.hidden // 32)
     if args.hidden % heads:
         raise SystemExit(f"--heads {heads} must divide --hidden {args.hidden}")
+    return heads
+
+
+def run(args: argparse.Namespace) -> int:
+    heads = _heads(args)
     kv_heads = 2 if heads % 2 == 0 else 1
     policy = _parse_policy(args.policy)
 
@@ -204,8 +210,6 @@ def run(args: argparse.Namespace) -> int:
     from tapesac.report import median_of_steps
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     data = _load_data(args)  # CorpusNotFoundError: a user error (one line, exit status 2)

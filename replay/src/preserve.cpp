@@ -146,7 +146,7 @@ void WriteWatcher::attach() {
 }
 
 void WriteWatcher::install() {
-  if (attached_ || mode_ == PreserveMode::kOff) return;
+  if (attached_) return;
   if (t_watcher != nullptr) return;  // another session's step watches this thread: replays it cannot cover reject
   owner_ = std::this_thread::get_id();
   attach();
@@ -286,7 +286,10 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
   busy_ = true;
   try {
     QuietScope quiet;
-    if (e.mode == PreserveMode::kSnapshots) {
+    if (e.mode == PreserveMode::kOff) {
+      // Note [Writes counted under preserve="off"]: nothing is saved, the write is only counted, so that a replay
+      // reading the storage is rejected (restore() refuses) even when the write moved no version counter.
+    } else if (e.mode == PreserveMode::kSnapshots) {
       // A reader needs the bytes as they are now, and no snapshot holds them yet.
       if (e.last_mark == e.count && (e.snapshots.empty() || e.snapshots.back().first != e.count)) {
         at::Tensor bytes = bytes_of_storage(target).clone();
@@ -338,7 +341,7 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
 }
 
 int64_t WriteWatcher::watch(const at::Tensor& t) {
-  if (mode_ == PreserveMode::kOff || !t.defined() || !t.has_storage()) return 0;
+  if (!t.defined() || !t.has_storage()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   std::unique_ptr<Entry>& e = entries_[capture::storage_key(t)];
   if (!e) {
@@ -391,6 +394,10 @@ WriteWatcher::Restored WriteWatcher::restore(const at::Tensor& t, int64_t mark, 
   }
   if (e.broken) {
     *why = e.broken_why;
+    return out;
+  }
+  if (e.mode == PreserveMode::kOff) {
+    *why = "preserve=\"off\" saved nothing to undo the " + std::to_string(seen) + " write(s) it saw";
     return out;
   }
   const int64_t t0 = now_ns();

@@ -44,8 +44,11 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
   counter_scope_.emplace(memory_->counter_ptr());
   if (approx_) approx_->begin_step();
   // Writes are watched for the replays; under policy "none" nothing is dropped, so nothing is ever replayed (and the
-  // watcher's callback would box every op's arguments for nothing).
-  if (options_.preserve != PreserveMode::kOff && options_.check_versions && options_.policy != PolicyKind::kNone) {
+  // watcher's callback would box every op's arguments for nothing). Under preserve="off" the watcher counts the writes
+  // without saving (Note [Writes counted under preserve="off"], preserve.h): a write that moves no version counter
+  // (`.data`, an alias made by set_, untyped_storage().copy_) was served to the replay silently, wrong gradients with
+  // records saying "match" (found by an adversarial test); it is now rejected, as the README says "off" does.
+  if (options_.check_versions && options_.policy != PolicyKind::kNone) {
     watcher_ = std::make_shared<WriteWatcher>(options_.preserve, preserve_modes_);
     watcher_->install();
   }

@@ -70,33 +70,32 @@ def test_inplace_change_of_a_parameter_before_backward_is_recovered_by_default()
 
 def test_change_that_bypasses_version_counters() -> None:
     """.data writes do not bump the version counter. The write watcher still sees them (they go through the
-    dispatcher), so by default they are recovered; without preservation "check" cannot see them and only the
-    strict contract's byte checksum does."""
+    dispatcher), so by default they are recovered; under preserve="off" it counts them without saving, so the replay
+    is rejected (Note [Writes counted under preserve="off"]; this case was silent under "check" before, wrong
+    gradients with records saying "match", and caught only by "strict"'s checksum)."""
     x = torch.randn(4, 16)
     ref = _blocks()
     _forward(ref, x).backward()
     for contract, preserve, outcome in (("check", "auto", "recovered"), ("strict", "auto", "recovered"),
-                                        ("check", "off", "silent"), ("strict", "off", "divergent")):
+                                        ("check", "off", "rejected"), ("strict", "off", "rejected")):
         blocks = _blocks()
         sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract=contract, preserve=preserve)
         with sac.step():
             loss = _forward(blocks, x)
             blocks[0][0].weight.data.add_(1.0)
-            if outcome == "divergent":
-                with pytest.raises(tapesac.ReplayContractError, match="diverged"):
+            if outcome == "rejected":
+                with pytest.raises(tapesac.ReplayContractError, match='preserve="off" saved nothing'):
                     loss.backward()
             else:
                 loss.backward()
-        assert sac.last_step.ops_replayed > 0
         statuses = {r["status"] for r in sac.last_records}
+        if outcome == "rejected":
+            assert "rejected" in statuses, statuses
+            continue
+        assert sac.last_step.ops_replayed > 0
         same = all(a.grad is not None and torch.equal(a.grad, b.grad)
                    for a, b in zip(blocks.parameters(), ref.parameters()))
-        if outcome == "recovered":
-            assert same and "recovered" in statuses
-        elif outcome == "silent":
-            assert not same and statuses == {"match"}  # the documented limit of contract="check" alone
-        else:
-            assert "divergent" in statuses
+        assert same and "recovered" in statuses
 
 
 def test_strict_passes_and_is_exact_on_an_unchanged_model() -> None:

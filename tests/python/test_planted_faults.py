@@ -271,3 +271,20 @@ def test_fault_table_counts() -> None:
     assert outcomes.count("recovered") == 7
     assert outcomes.count("rejected") + outcomes.count("divergent") == 2
     assert outcomes.count("match") == 2
+
+
+@pytest.mark.parametrize("plant", [_write_through_data, _set_then_write], ids=["data_write", "set_then_write"])
+def test_off_rejects_writes_that_move_no_version(plant) -> None:
+    """Found by an adversarial test: under preserve="off" a write that moves no version counter (through `.data`, an
+    alias made by set_, untyped_storage().copy_) reached the replay silently — wrong gradients, records saying
+    "match" — where the README says "off" rejects. The watcher now counts writes under "off" without saving them
+    (Note [Writes counted under preserve="off"]): rejected."""
+    m = Net()
+    x = torch.randn(4, D)
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full", preserve="off")
+    with pytest.raises(tapesac.ReplayContractError, match='preserve="off" saved nothing'):
+        with sac.step():
+            loss = m(x).square().mean()
+            plant(m, x, loss)
+            loss.backward()
+    assert sac.last_records[-1]["status"] == "rejected", sac.last_records

@@ -52,8 +52,11 @@
 
 namespace tapesac::replay {
 
+// Note [Writes counted under preserve="off"]: kOff saves nothing, but its watcher still counts the writes it sees to
+// the storages replays read, so that one which moves no version counter (`.data`, an alias made by set_,
+// untyped_storage().copy_) rejects the replay like an in-place op does, instead of reaching it silently.
 enum class PreserveMode : uint8_t {
-  kOff,        // no watcher: a changed input rejects the replay (ReplayContractError)
+  kOff,        // nothing saved: a changed input rejects the replay (ReplayContractError)
   kRegions,    // save the overwritten regions' old bytes
   kSnapshots,  // save the whole storage at its first write
 };

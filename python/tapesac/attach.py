@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, TapeSACError
+from .inert import CopiesInert
 
 __all__ = ["Attachment"]
 
@@ -58,9 +59,10 @@ class Attachment:
         try:
             if optimizer is not None:
                 self._handles.append(_steppable(optimizer).register_step_pre_hook(
-                    lambda opt, args, kwargs: self.end_step()))
+                    CopiesInert(lambda opt, args, kwargs: self.end_step())))
             for name, module in sac.blocks:
-                self._handles.append(module.register_forward_pre_hook(self._starter(name), prepend=True))
+                # A copy of the model (deepcopy, pickle) gets inert hooks: it must not start this TapeSAC's steps.
+                self._handles.append(module.register_forward_pre_hook(CopiesInert(self._starter(name)), prepend=True))
         except BaseException:
             self.detach()  # nothing is left behind by an attach that failed
             raise

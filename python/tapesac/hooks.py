@@ -26,6 +26,8 @@ import threading
 import torch
 from torch import nn
 
+from .inert import CopiesInert
+
 __all__ = ["StepHooks"]
 
 
@@ -61,8 +63,9 @@ class StepHooks:
         self._thread = threading.get_ident()
         self.aside_calls = 0
         for name, module in self._blocks:
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(module), always_call=True))
+            # CopiesInert: a deep copy or a pickle of the model made inside the step gets inert hooks (the inert module).
+            self._handles.append(module.register_forward_pre_hook(CopiesInert(self._pre_hook(name)), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(CopiesInert(self._post_hook(module)), always_call=True))
 
     def remove(self) -> None:
         """Removes the hooks and closes every open block call (also if closing one raises)."""

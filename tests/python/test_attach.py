@@ -184,3 +184,37 @@ def test_attach_to_a_wrapped_optimizer_steps_at_the_inner_one(tapesac) -> None:
     assert not sac.in_step
     sac.close()
     assert _hooks(model) == before, "hooks left after close()"
+
+
+def test_a_copy_of_the_model_made_inside_a_step_or_while_attached_is_plain(tapesac) -> None:
+    """Found by an adversarial test: copy.deepcopy(model) inside `with sac.step():` or while attached copied the step's
+    and the attachment's hooks as closures over the original TapeSAC, so the copy's forward opened block calls and
+    steps of the original (left its saved-tensor hooks pushed on the thread, even after close(); made the original's
+    next step record nothing), and pickle.dumps(model) failed ("Can't pickle local object"). The copy gets inert hooks:
+    it trains as plain PyTorch, and the original goes on exactly."""
+    import pickle
+
+    model = stack()
+    ref = copy.deepcopy(model)
+    x = x_in().detach()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with sac.step():
+        inside = copy.deepcopy(model)
+        pickled = pickle.loads(pickle.dumps(model))
+        default_loss(model, (x,)).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = sac.attach(opt)
+    attached_copy = copy.deepcopy(model)
+    pickle.dumps(model)
+    for other in (inside, pickled, attached_copy):
+        default_loss(other, (x,)).backward()  # plain PyTorch: nothing of the original's is opened
+        assert not sac.in_step and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert not attachment.step_open
+    attachment.detach()
+    model.zero_grad(set_to_none=True)
+    with sac.step():
+        default_loss(model, (x,)).backward()
+    assert sac.last_step.block_calls == 2 and sac.last_step.dropped_tensors > 0
+    default_loss(ref, (x,)).backward()
+    assert_same_grads(model, ref)
+    sac.close()

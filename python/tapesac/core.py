@@ -44,7 +44,9 @@ HISTORY_STEPS = 1000
 # Note [History without per-block detail].
 HISTORY_BLOCK_STEPS = 16
 
-_thread_state = threading.local()
+# Thread ident -> the TapeSAC whose step is open on it. Not a threading.local: a step exited on another thread than
+# the one it was entered on cleared that thread's marker and left the entering thread unable to step, for good.
+_active_steps: dict[int, "TapeSAC"] = {}
 
 
 
@@ -188,7 +190,8 @@ class TapeSAC:
     def _step_context(self) -> Iterator["TapeSAC"]:
         if self._closed:
             raise TapeSACError("this TapeSAC was closed; create a new one to train with tapesac again")
-        active = getattr(_thread_state, "active", None)
+        thread = threading.get_ident()
+        active = _active_steps.get(thread)
         if active is not None:
             same = "the same" if active is self else "another"
             raise TapeSACError(
@@ -204,13 +207,14 @@ class TapeSAC:
         # replaced first, or the step refused (MemoryLimitError) before anything of it is installed (Note [Baseline
         # grown before the step], runtime/src/runtime.cpp).
         self._runtime.before_step(params)
-        self._conflicts.before_step()
-        self._session.begin_step(params)
-        _thread_state.active = self
-        self._in_step = True
         start = time.perf_counter()
-        abandoned = False
-        try:
+        abandoned = began = False
+        try:  # from here on everything installed is undone in `finally`, also after a KeyboardInterrupt
+            self._conflicts.before_step()
+            self._session.begin_step(params)
+            began = True
+            _active_steps[thread] = self
+            self._in_step = True
             self._hooks.install()
             yield self
         except GeneratorExit:
@@ -225,24 +229,30 @@ class TapeSAC:
                     "block out of `blocks=`.") from e
             raise
         finally:
-            self._hooks.remove()
-            self._session.end_step()
-            _thread_state.active = None
-            self._in_step = False
-            self._steps += 1
-            self._last = self._collect(time.perf_counter() - start)
-            self._remember(self._last)
-            self._conflicts.after_step(self._last)
-            self._warn_unmatched()
-            self._log.write_step(self._last, self._get_timeline)
-            self._log.write_records(self._steps, self._session)
-            if abandoned:
-                logger.warning(
-                    f"tapesac: the context of step {self._steps} was abandoned: sac.step() was entered and never "
-                    f"exited, and the step ended only when Python collected the context (a later step, the plan and "
-                    f"the statistics may have been wrong meanwhile). Exit every step you enter: `with sac.step():` "
-                    f"around forward and backward, or __exit__ after the backward in a callback; or let tapesac "
-                    f"delimit the steps (sac.attach(optimizer), tapesac.integrations).")
+            try:
+                self._hooks.remove()
+                self._session.end_step()
+            finally:
+                if _active_steps.get(thread) is self:
+                    del _active_steps[thread]
+                self._in_step = False
+            if not began:  # begin_step raised, or an interrupt came before it returned
+                self._conflicts.after_step(None)
+            else:
+                self._steps += 1
+                self._last = self._collect(time.perf_counter() - start)
+                self._remember(self._last)
+                self._conflicts.after_step(self._last)
+                self._warn_unmatched()
+                self._log.write_step(self._last, self._get_timeline)
+                self._log.write_records(self._steps, self._session)
+                if abandoned:
+                    logger.warning(
+                        f"tapesac: the context of step {self._steps} was abandoned: sac.step() was entered and "
+                        f"never exited, and the step ended only when Python collected the context (a later step, the "
+                        f"plan and the statistics may have been wrong meanwhile). Exit every step you enter: `with "
+                        f"sac.step():` around forward and backward, or __exit__ after the backward in a callback; or "
+                        f"let tapesac delimit the steps (sac.attach(optimizer), tapesac.integrations).")
         self._raise_policy_error()
         # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
         self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)

@@ -524,3 +524,87 @@ def test_a_step_context_entered_twice_raises_a_typed_error(tapesac) -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
     sac.close()
+
+
+class _InterruptingSession:
+    """Delegates to a real Session; `method` raises KeyboardInterrupt right after the real call returned."""
+
+    def __init__(self, real, method: str):
+        self._real, self._method = real, method
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name != self._method:
+            return attr
+
+        def interrupted(*args, **kwargs):
+            attr(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        return interrupted
+
+
+@pytest.mark.parametrize("method", ["begin_step", "end_step"])
+def test_an_interrupt_at_the_step_edges_leaves_nothing_behind(tapesac, method) -> None:
+    """Found by an adversarial test (SIGINT at random moments): an interrupt right after the session's begin_step
+    (before the step's `try`) left the session in its step — every later step raised "steps cannot nest" — and one in
+    the `finally` at end_step left the thread's marker set, so no TapeSAC could step on that thread again. Both edges
+    are inside the step's cleanup now."""
+    torch.manual_seed(0)
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    x = torch.randn(4, M.D)
+    real = sac._session
+    sac._session = _InterruptingSession(real, method)
+    with pytest.raises(KeyboardInterrupt):
+        with sac.step():
+            model(x).square().mean().backward()
+    sac._session = real
+    assert not sac.in_step and not real.in_step
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    model.zero_grad(set_to_none=True)
+    with sac.step():
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert_same_grads(model, ref)
+    other = tapesac.TapeSAC(M.Stack([M.MLPBlock()]), blocks="blocks.*", policy="full")
+    with other.step():
+        pass
+    other.close()
+    sac.close()
+
+
+def test_a_step_exited_on_another_thread_is_refused_and_stays_open_for_its_own(tapesac) -> None:
+    """Found by an adversarial test: a step entered on the main thread and exited on a worker ended there, resetting
+    the worker's thread-local state: the main thread's memory counter was left dangling (its next allocation crashed)
+    and its "step open" marker set (no TapeSAC could step on it again). Exiting on another thread is now a
+    TapeSACError that leaves the step open; its own thread exits it, and steps go on."""
+    import threading
+
+    model = M.Stack([M.MLPBlock()])
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    ctx = sac.step()
+    ctx.__enter__()
+    errors = []
+
+    def exit_elsewhere() -> None:
+        try:
+            ctx.__exit__(None, None, None)
+        except tapesac.TapeSACError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=exit_elsewhere)
+    worker.start()
+    worker.join()
+    assert errors and "exited on another thread" in str(errors[0]), errors
+    assert sac.in_step
+    ctx.__exit__(None, None, None)
+    assert not sac.in_step
+    other = tapesac.TapeSAC(M.Stack([M.MLPBlock()]), blocks="blocks.*", policy="full")
+    with other.step():  # raised "a step of another TapeSAC is open on this thread"
+        pass
+    with sac.step():
+        pass
+    other.close()
+    sac.close()

@@ -192,6 +192,9 @@ class TapeSAC:
             raise TapeSACError("this TapeSAC was closed; create a new one to train with tapesac again")
         thread = threading.get_ident()
         active = _active_steps.get(thread)
+        if active is None and self._in_step:  # before anything of the open step is touched (adversarial test)
+            raise TapeSACError("sac.step() entered while a step of this TapeSAC is open on another thread; one "
+                               "TapeSAC runs one step at a time (train two models with two TapeSACs)")
         if active is not None:
             same = "the same" if active is self else "another"
             raise TapeSACError(

@@ -608,3 +608,36 @@ def test_a_step_exited_on_another_thread_is_refused_and_stays_open_for_its_own(t
         pass
     other.close()
     sac.close()
+
+
+def test_a_second_thread_entering_an_open_step_is_refused_before_touching_it(tapesac) -> None:
+    """Found by an adversarial test: a second thread entering a step of a TapeSAC whose step was open on another
+    thread ran the runtime's and the conflict checks' step start before the C++ session refused it, overwrote the
+    open step's hook handles (left on the model after close()) and broke the open step. It is refused first."""
+    import threading
+
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    before = [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks]
+    x = torch.randn(4, M.D)
+    errors = []
+
+    def other() -> None:
+        try:
+            with sac.step():
+                pass
+        except tapesac.TapeSACError as e:
+            errors.append(str(e))
+
+    with sac.step():
+        loss = model(x).square().mean()
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        loss.backward()
+    assert errors and "open on another thread" in errors[0], errors
+    ref(x).square().mean().backward()
+    assert_same_grads(model, ref)
+    sac.close()
+    assert [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks] <= before

@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -145,6 +146,7 @@ class TapeSAC:
         self._attachment: Attachment | None = None
         # Last: the conflict checks warn about this model and its blocks, and watch them between steps.
         self._conflicts = Conflicts(model, self._blocks, self._session)
+        weakref.finalize(self, self._conflicts.close)  # collected unclosed: its watch hooks leave the model too
 
     # -- properties -------------------------------------------------------------------------------------------
     @property

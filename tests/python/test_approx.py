@@ -365,3 +365,29 @@ def test_toy_swiglu_is_approximated(tapesac):
     assert sac.last_step.approx_mlp == 2
     with pytest.raises(AssertionError):
         assert_same_grads(model, ref)
+
+
+class _GatedNoBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g, self.u = nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=False)
+        self.d = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(F.silu(self.g(x)) * self.u(x)) + x
+
+
+def test_skipped_components_are_summed_per_step(tapesac):
+    """The README promises approx_mlp_skipped / approx_attn_skipped per block call and summed per step; the step
+    totals lacked them (found by an adversarial test). Here the op set keeps the matmuls, so each gated MLP is found
+    and replayed exactly."""
+    torch.manual_seed(0)
+    model = Stack([_GatedNoBias(), _GatedNoBias()])
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy={"aten::mm"}, approx=tapesac.Approx(fraction=0.5))
+    with sac.step():
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+    st = sac.last_step
+    per_block = [b.approx_mlp_skipped for b in st.blocks]
+    assert sum(per_block) > 0, per_block
+    assert st.approx_mlp_skipped == sum(per_block) and st.approx_attn_skipped == 0
+    sac.close()

@@ -7,12 +7,12 @@
 // X(type, name, combine, doc)
 #define TAPESAC_APPROX_STATS_FIELDS(X)                                                                               \
   X(int64_t, mlp, kSum, "gated MLPs approximated")                                                                   \
-  X(int64_t, mlp_skipped, kNone,                                                                                     \
+  X(int64_t, mlp_skipped, kSum,                                                                                      \
     "gated MLPs found but replayed exactly (a value kept, a reader outside the pattern, an in-place write, ...)")     \
   X(int64_t, units_total, kSum, "hidden units of the approximated MLPs")                                             \
   X(int64_t, units_recomputed, kSum, "hidden units of the approximated MLPs that replay recomputes")                  \
   X(int64_t, attn, kSum, "attentions approximated (units are query heads)")                                          \
-  X(int64_t, attn_skipped, kNone, "attentions found but replayed exactly")                                           \
+  X(int64_t, attn_skipped, kSum, "attentions found but replayed exactly")                                            \
   X(int64_t, heads_total, kSum, "query heads of the approximated attentions")                                        \
   X(int64_t, heads_recomputed, kSum, "query heads that replay recomputes")                                           \
   X(int64_t, kv_heads_total, kSum, "key/value heads of the approximated attentions")                                 \

@@ -17,6 +17,7 @@
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/clock.h"
+#include "tapesac/common/errors.h"
 
 namespace tapesac::capture {
 namespace {
@@ -137,8 +138,11 @@ Recorder* Recorder::current() { return t_current; }
 void Recorder::start() {
   if (active_) return;
   if (t_current != nullptr) {
-    throw std::runtime_error(
-        "tapesac: a recorder is already active on this thread; blocks cannot record inside one another");
+    // Typed (TapeSACError in Python): record_ops inside a block's forward or inside another record_ops raised a
+    // bare RuntimeError (found by an adversarial test).
+    throw Error(ErrorKind::kGeneric,
+                "tapesac: a recorder is already active on this thread; blocks cannot record inside one another (call "
+                "tapesac.record_ops outside a step's blocks and outside another record_ops)");
   }
   if (t_spare.filled) {  // Note [Recorder scratch reused]
     std::swap(id_, t_spare.id);

@@ -32,10 +32,10 @@ from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
 from .log import Once, logger
 from .logs import StepLog
-from .memory import MemoryStats, frozen_from, parse_memory_limit
+from .memory import MemoryStats, parse_memory_limit
 from .policy import CallablePolicy, OpSetPolicy, parse_policy
 from .preserve import Trial
-from .stats import BlockStats, StepStats, block_stats_from, step_stats_from
+from .stats import BlockStats, StepStats, append_to_history, block_stats_from, step_stats_from
 from .step_context import StepContext
 
 __all__ = ["TapeSAC", "Approx", "Config", "StepStats", "BlockStats", "record_ops"]
@@ -246,7 +246,7 @@ class TapeSAC:
             else:
                 self._steps += 1
                 self._last = self._collect(time.perf_counter() - start)
-                self._remember(self._last)
+                append_to_history(self._history, self._last, HISTORY_BLOCK_STEPS)
                 self._conflicts.after_step(self._last)
                 self._warn_unmatched()
                 self._log.write_step(self._last, self._get_timeline)
@@ -274,20 +274,6 @@ class TapeSAC:
     def preservation(self) -> dict[int, str]:
         """preserve="auto"/"keep": the mode chosen per written storage (keys are storage identities)."""
         return dict(self._runtime.preservation)
-
-    def _remember(self, st: StepStats) -> None:
-        """Note [History without per-block detail]. A step's StepStats holds one BlockStats per block call (an object
-        and its dict each): 1,000 steps of a 48-block model kept ~100k objects alive, which Python's cyclic GC
-        traversed in every full collection (2 of ~150 ms in 3,000 steps of perf/bench_record.py's 48-block workload,
-        121 us per step on average, and ~95k more objects on the heap). The history keeps every StepStats but
-        the per-block tuple only for the last HISTORY_BLOCK_STEPS steps; older entries have blocks=() (block_calls
-        and every total still count them). TapeSAC(log=...) writes every step whole."""
-        history = self._history
-        history.append(st)
-        n = len(history)
-        if n > HISTORY_BLOCK_STEPS and history[n - 1 - HISTORY_BLOCK_STEPS].blocks:
-            old = history[n - 1 - HISTORY_BLOCK_STEPS]
-            history[n - 1 - HISTORY_BLOCK_STEPS] = frozen_from(type(old), {**old.__dict__, "blocks": ()})
 
     def _get_timeline(self) -> dict[str, Any]:
         """The last step's memory timeline, converted from the session on first use (valid until the next step ends)."""
@@ -400,6 +386,8 @@ class TapeSAC:
 
     @memory_limit.setter
     def memory_limit(self, value: Any) -> None:
+        if self._in_step:  # refused half-way, the runtime still enforced it from the next step (adversarial test)
+            raise TapeSACError("sac.memory_limit can be set only between steps (after the step's `with` block)")
         limit = parse_memory_limit(value, self._device) or 0
         # The session's and the graphs' limit; preserve="auto" chooses again; policy "auto" re-plans after the next
         # step.

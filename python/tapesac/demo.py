@@ -189,10 +189,10 @@ def _heads(args: argparse.Namespace) -> int:
     """The attention heads, after the numeric options are checked (a bad value is a usage error, cli_args)."""
     from .cli_args import at_least, positive_finite
 
-    for option, value in (("--steps", args.steps), ("--batch", args.batch), ("--seq", args.seq),
-                          ("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
-                          ("--threads", args.threads)):
+    for option, value in (("--steps", args.steps), ("--batch", args.batch), ("--layers", args.layers),
+                          ("--hidden", args.hidden), ("--heads", args.heads), ("--threads", args.threads)):
         at_least(option, value, 1)
+    at_least("--seq", args.seq, 2)  # a byte and the next one it predicts
     at_least("--val-batches", args.val_batches, 0)
     positive_finite("--lr", args.lr)
     heads = args.heads if args.heads is not None else max(1, args.hidden // 32)

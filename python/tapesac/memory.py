@@ -85,16 +85,23 @@ def parse_memory_limit(value: Any, device: torch.device | str = "cpu") -> int | 
     if unit == "%":
         if not 0 < number <= 100:
             raise ConfigError(f"memory_limit={value!r}: a percentage must be in (0, 100]")
-        limit = int(_total_memory(torch.device(device)) * number / 100)
+        try:
+            total = _total_memory(torch.device(device))
+        except (RuntimeError, TypeError, ValueError) as e:  # no driver, an unknown device: typed (adversarial test)
+            raise ConfigError(f"memory_limit={value!r}: cannot read the memory of device {device!r} for a "
+                              f"percentage ({type(e).__name__}: {str(e).splitlines()[0]}); pass bytes instead") from None
+        limit = int(total * number / 100)
         if limit < 1:  # it used to become 0 bytes, which means "no limit"
-            raise ConfigError(f"memory_limit={value!r}: that percentage of {_total_memory(torch.device(device))} bytes "
-                              f"is less than one byte; a limit must be positive (or None for none)")
+            raise ConfigError(f"memory_limit={value!r}: that percentage of {total} bytes is less than one byte; a "
+                              f"limit must be positive (or None for none)")
         return limit
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(f"memory_limit={value!r}: unknown unit {unit!r}; use B, KB/MB/GB/TB (powers of 1000) or "
                           f"KiB/MiB/GiB/TiB (powers of 1024), or a percentage like '90%'")
-    size = number * factor
+    # An integer count of bytes (or of whole units) is exact: float() rounded '123456789012345679' to ...680.
+    digits = m.group(1).strip()
+    size = int(digits) * factor if digits.isdigit() and digits.isascii() else number * factor
     if not math.isfinite(size) or size > MAX_LIMIT_BYTES:
         raise ConfigError(f"memory_limit={value!r}: more bytes than a 64-bit count holds (at most "
                           f"{MAX_LIMIT_BYTES}, about 8 EiB); pass the limit you mean, or None for no limit")

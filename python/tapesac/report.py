@@ -92,13 +92,19 @@ class StepReport:
         if not p.is_file():
             raise ConfigError(f"{str(p)!r} is not a file; expected the JSON-lines file given as TapeSAC(log=...)")
         records = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p} is not text; expected the JSON-lines file given as TapeSAC(log=...)") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}:{n}: not a JSON line ({e.msg}); expected a tapesac telemetry log") from None
+            if not isinstance(rec, dict):  # `null`, a list: internal errors before (adversarial test)
+                raise ConfigError(f"{p}:{n}: expected a JSON object (a tapesac step record), got {type(rec).__name__}")
             if rec.get("kind") != "step" or rec.get("schema_version") != SCHEMA_VERSION:
                 raise ConfigError(f"{p}:{n}: expected a tapesac step record with schema_version {SCHEMA_VERSION}, "
                                   f"got kind={rec.get('kind')!r} schema_version={rec.get('schema_version')!r}")
@@ -110,20 +116,32 @@ class StepReport:
         start = max((i for i in range(1, len(records)) if records[i].get("step", 0) <= records[i - 1].get("step", 0)),
                     default=0)
         records = records[start:]
-        blocks = [b["name"] for b in records[-1]["blocks"]]
-        timeline = next((r["timeline"] for r in reversed(records) if r.get("timeline")), {})
-        for r in records:
-            r.pop("timeline", None)
-        return cls._from_records(records, list(dict.fromkeys(blocks)), timeline)
+        try:
+            blocks = [b["name"] for b in records[-1]["blocks"]]
+            timeline = next((r["timeline"] for r in reversed(records) if r.get("timeline")), {})
+            for r in records:
+                r.pop("timeline", None)
+            return cls._from_records(records, list(dict.fromkeys(blocks)), timeline)
+        except (KeyError, TypeError, AttributeError) as e:  # a record with the kind and version but not the fields
+            raise ConfigError(f"{p}: a step record lacks a field a tapesac log has ({type(e).__name__}: {e}); expected "
+                              f"the JSON-lines file given as TapeSAC(log=...)") from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepReport":
+        if not isinstance(d, dict):
+            raise ConfigError(f"StepReport.from_dict expects the dict StepReport.to_dict() made, got {type(d).__name__}")
         if d.get("schema_version") != SCHEMA_VERSION:
             raise ConfigError(f"StepReport schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}; "
                               f"it was written by another tapesac version")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        if not required <= set(d) <= fields:  # KeyError / TypeError from inside before (adversarial test)
+            raise ConfigError(f"StepReport.from_dict: expected the keys of StepReport.to_dict(); missing "
+                              f"{sorted(required - set(d))}, unknown {sorted(set(d) - fields)}")
         d = dict(d)
         d["blocks"] = tuple(d["blocks"])
         d["peaks"] = tuple(d.get("peaks", ()))

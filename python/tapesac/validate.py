@@ -76,8 +76,13 @@ class ValidationReport:
 
 
 def _scalar(x: Any) -> float:
-    """A loss as a float (a tensor is detached first: no autograd warning)."""
-    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+    """A loss as a float (a tensor is detached first: no autograd warning); ConfigError for anything else (a
+    step_fn that only calls .backward() returns None: float() raised a bare TypeError, adversarial test)."""
+    try:
+        return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"validate: step_fn must return the loss (a number or a one-element tensor), got "
+                          f"{type(x).__name__}{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}") from None
 
 
 def _same(a: float, b: float) -> bool:
@@ -134,6 +139,7 @@ def validate(model: nn.Module, step_fn: Callable[[nn.Module], Any], *, blocks: A
     reference = copy.deepcopy(model)
     state = _rng_state(device)
     ref_loss = step_fn(reference)
+    _scalar(ref_loss)  # a step_fn that returns no loss is refused before the tapesac run
     after = _rng_state(device)
     _set_rng_state(state, device)
     sac = TapeSAC(model, blocks=blocks, **tapesac_kwargs)

@@ -658,3 +658,42 @@ def test_a_tapesac_collected_without_close_leaves_no_hook(tapesac) -> None:
         del sac
     gc.collect()
     assert count() == before, (count(), before)
+
+
+def test_public_api_misuse_found_by_adversarial_tests_is_typed(tapesac, tmp_path) -> None:
+    """Each of these raised an untyped error from deep inside, or left state behind (an adversarial test of the API
+    surface): memory_limit set inside a step (refused with a message about schedules, yet enforced from the next
+    step), record_ops nested (bare RuntimeError), validate with a step_fn returning no loss (float(None)),
+    StepReport.from_dict / from_jsonl on malformed input (KeyError, AttributeError, UnicodeDecodeError),
+    parse_memory_limit rounding a large byte count through float and a bad device (RuntimeError)."""
+    import json
+
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with sac.step():
+        with pytest.raises(tapesac.TapeSACError, match="only between steps"):
+            sac.memory_limit = "1GiB"
+        model(torch.randn(4, M.D)).square().mean().backward()
+    assert sac.memory_limit is None
+    with sac.step():  # the refused limit is not enforced
+        model(torch.randn(4, M.D)).square().mean().backward()
+    assert sac.last_step.memory.memory_limit is None
+    with pytest.raises(tapesac.TapeSACError, match="recorder is already active"):
+        tapesac.record_ops(lambda: tapesac.record_ops(model, torch.randn(4, M.D)))
+    with pytest.raises(tapesac.ConfigError, match="step_fn must return the loss"):
+        tapesac.validate(model, lambda m: m(torch.randn(4, M.D)).square().mean().backward(), blocks="blocks.*")
+    rep = sac.report()
+    for bad in (None, {**rep.to_dict(), "note": 1}, {k: v for k, v in rep.to_dict().items() if k != "blocks"}):
+        with pytest.raises(tapesac.ConfigError):
+            tapesac.StepReport.from_dict(bad)
+    for i, content in enumerate((b"\xff\xfe\x00binary", b"null\n", b"[1, 2]\n",
+                                 json.dumps({"kind": "step", "schema_version": 2}).encode() + b"\n")):
+        path = tmp_path / f"bad{i}.jsonl"
+        path.write_bytes(content)
+        with pytest.raises(tapesac.ConfigError):
+            tapesac.StepReport.from_jsonl(path)
+    assert tapesac.parse_memory_limit("123456789012345679") == 123456789012345679
+    assert tapesac.parse_memory_limit("9223372036854775807") == 2**63 - 1
+    with pytest.raises(tapesac.ConfigError):
+        tapesac.parse_memory_limit("50%", "xyz")
+    sac.close()

@@ -134,7 +134,7 @@ def test_progress_goes_to_stderr_through_tqdm(tapesac, capsys) -> None:
 @pytest.mark.parametrize("argv", [
     ["demo", "--batch", "0"], ["demo", "--seq", "0"], ["demo", "--hidden", "0"], ["demo", "--heads", "0"],
     ["demo", "--heads", "5"], ["demo", "--lr", "nan"], ["demo", "--lr", "-1"], ["demo", "--val-batches", "-1"],
-    ["demo", "--layers", "0"], ["frontier", "--rounds", "0"], ["frontier", "--points", "1"],
+    ["demo", "--layers", "0"], ["demo", "--seq", "1"], ["frontier", "--rounds", "0"], ["frontier", "--points", "1"],
 ], ids=lambda a: "_".join(a).replace("--", ""))
 def test_bad_option_values_are_one_line_usage_errors(tapesac, capsys, argv) -> None:
     """Found by an adversarial test: these failed deep in the job and exited 1 as "internal error ... report it"

@@ -8,7 +8,6 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/alias.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 
@@ -112,6 +111,40 @@ bool same_memory(const at::Tensor& a, const at::Tensor& b) {
   return a.data_ptr() == b.data_ptr() && a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) &&
          a.scalar_type() == b.scalar_type();
 }
+
+// Note [Handed-out storages]. A launch hands its replayed values out as tensors over the static memory, and the next
+// launch that writes that memory must know whether any of them is still in use (Note [Static memory]): autograd may
+// hold one (a double backward's graph saves what the first backward unpacked), a later segment of the same block
+// call holds what it reads, and views of them hold only their storage. So each launch hands out its tensors through
+// a storage of its own per static storage, over the same bytes (the static storage kept alive by the data pointer's
+// context), and a handed-out value is in use exactly while that storage is. Comparing the static storage's
+// reference count with a baseline taken at capture missed uses: the baseline counted references held only during
+// the capture (the staged inputs), so a view handed out later brought the count back to it and the next launch
+// overwrote bytes autograd was about to read (random program 3025, double backward, silently wrong gradients).
+class HandOut {
+ public:
+  // A tensor over `t`'s bytes, its storage shared with this hand-out's other tensors over the same static storage.
+  at::Tensor alias(const at::Tensor& t) {
+    const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+    auto it = storages_.find(key);
+    if (it == storages_.end()) it = storages_.emplace(key, own_storage(t.storage())).first;
+    at::Tensor out = at::empty({0}, t.options());
+    out.set_(it->second, t.storage_offset(), t.sizes(), t.strides());
+    return out;
+  }
+
+ private:
+  static c10::Storage own_storage(const c10::Storage& static_storage) {
+    auto* keep = new c10::Storage(static_storage);
+    void* data = const_cast<void*>(static_storage.data());
+    c10::DataPtr ptr(data, keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); },
+                     static_storage.device());
+    return c10::Storage(c10::Storage::use_byte_size_t(), static_storage.nbytes(), std::move(ptr),
+                        /*allocator=*/nullptr, /*resizable=*/false);
+  }
+
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> storages_;
+};
 
 std::string describe_value(const capture::Tape& tape, ValueId v) {
   const OpIndex p = tape.value(v).producer;
@@ -387,22 +420,20 @@ struct GraphCache::Entry {
   std::vector<OpIndex> ops;       // the captured ops, ascending
   std::vector<uint8_t> capture_live;
   std::vector<at::Tensor> statics;  // by ValueId
-  std::vector<int64_t> impl_refs;   // reference counts at capture end, by ValueId
-  std::vector<int64_t> storage_refs;
   std::vector<OpIndex> random_ops;
   std::vector<OpPayload> payloads;  // of the block call the graph was captured from
   std::vector<uint8_t> applied;     // the node mask the executable has now
-  std::vector<ValueId> handed;      // values whose static tensors the last launch handed out
+  struct Handed {
+    ValueId value;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // Note [Handed-out storages]
+  };
+  std::vector<Handed> handed;       // values earlier launches handed out, while in use
   std::vector<uint8_t> copy_out;    // by ValueId: handed out as a copy on the forward's device (check_captured_outputs)
   std::vector<uint8_t> unstageable;  // by ValueId: static storage over memory the capture freed (values_over_freed)
   int64_t bytes = 0;
   bool timing_asked = false;        // a timer was asked for a launch (LaunchTiming::kFirst: only the first)
 
-  bool referenced(ValueId v) const {
-    const at::Tensor& t = statics[static_cast<size_t>(v)];
-    return static_cast<int64_t>(t.use_count()) > impl_refs[static_cast<size_t>(v)] ||
-           static_cast<int64_t>(t.storage().use_count()) > storage_refs[static_cast<size_t>(v)];
-  }
+  static bool referenced(const Handed& h) { return !h.storage.expired(); }
 
   // Takes a successful capture: the executable, what it ran and every tensor it made (`env`, by ValueId).
   void adopt(std::unique_ptr<capture::ExecGraph> graph, const capture::Tape& tape,
@@ -417,13 +448,6 @@ struct GraphCache::Entry {
     }
     capture_live = live;
     statics = std::move(env);
-    impl_refs.assign(statics.size(), 0);
-    storage_refs.assign(statics.size(), 0);
-    for (size_t v = 0; v < statics.size(); ++v) {
-      if (!statics[v].defined()) continue;
-      impl_refs[v] = static_cast<int64_t>(statics[v].use_count());
-      storage_refs[v] = static_cast<int64_t>(statics[v].storage().use_count());
-    }
     payloads = call_payloads;
     applied.assign(exec->topology().node_count(), 1);
   }
@@ -502,15 +526,12 @@ struct GraphCache::Entry {
   // False with the reason in `out` while a tensor an earlier launch handed out is still referenced and this launch
   // writes its storage (`written`, per storage).
   bool handed_out_dead(const capture::Tape& tape, const std::vector<uint8_t>& written, GraphReplayOutcome& out) const {
-    for (ValueId v : handed) {
-      if (written[static_cast<size_t>(tape.value(v).storage)] && referenced(v)) {
+    for (const Handed& h : handed) {
+      if (written[static_cast<size_t>(tape.value(h.value).storage)] && referenced(h)) {
         return refuse(out, GraphFallback::kOutputsLive,
-                      "v" + std::to_string(v) + " (" + describe_value(tape, v) +
-                          ") from the previous launch of this graph is still referenced (" +
-                          std::to_string(statics[static_cast<size_t>(v)].use_count()) + "/" +
-                          std::to_string(impl_refs[static_cast<size_t>(v)]) + " tensor, " +
-                          std::to_string(statics[static_cast<size_t>(v)].storage().use_count()) + "/" +
-                          std::to_string(storage_refs[static_cast<size_t>(v)]) + " storage references)");
+                      "v" + std::to_string(h.value) + " (" + describe_value(tape, h.value) +
+                          "), handed out by an earlier launch of this graph, is still referenced (" +
+                          std::to_string(h.storage.use_count()) + " storage references) and this launch writes it");
       }
     }
     return true;
@@ -566,32 +587,36 @@ struct GraphCache::Entry {
     }
   }
 
-  // The targets' tensors after a launch: live ones as they are, replayed ones as fresh aliases of the static tensors
-  // (remembered in `handed`); and the extras the launch computed (`needed` ops produced them), as aliases too.
+  // The targets' tensors after a launch: live ones as they are, replayed ones over the static tensors' bytes
+  // (Note [Handed-out storages], remembered in `handed`); and the extras the launch computed (`needed` ops produced
+  // them), the same way.
   std::unordered_map<ValueId, at::Tensor> hand_out(const GraphCall& call, const std::vector<Read>& targets,
                                                    const std::vector<ValueId>* extras,
                                                    const std::vector<uint8_t>& needed) {
     std::unordered_map<ValueId, at::Tensor> result;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    HandOut hand;
+    auto give = [&](ValueId v) {
+      at::Tensor t = hand.alias(statics[static_cast<size_t>(v)]);
+      handed.push_back(Handed{v, t.storage().getWeakStorageImpl()});
+      result.emplace(v, std::move(t));
+    };
     for (size_t k = 0; extras != nullptr && k < extras->size(); ++k) {
       const ValueId v = (*extras)[k];
       const OpIndex p = call.tape->value(v).producer;
       if (p < 0 || !needed[static_cast<size_t>(p)] || !statics[static_cast<size_t>(v)].defined()) continue;
-      result.emplace(v, at::alias(statics[static_cast<size_t>(v)]));
-      handed.push_back(v);
+      give(v);
     }
     for (const Read& r : targets) {
       const auto v = static_cast<size_t>(r.value);
       if (classify_read(*call.tape, *call.available, r.value, r.state, false) == ReadSource::kLive) {
         result.emplace(r.value, (*call.live)[v]);
       } else {
-        // A fresh TensorImpl over the static storage: whoever holds it shows in the storage's reference count.
         if (v < copy_out.size() && copy_out[v]) {  // Note [Host tensors under capture]
           result.emplace(r.value, statics[v].to(device_of(call.tape->value(r.value).meta)));
           continue;
         }
-        result.emplace(r.value, at::alias(statics[v]));
-        handed.push_back(r.value);
+        if (!result.count(r.value)) give(r.value);
       }
     }
     return result;
@@ -725,10 +750,17 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const Graph
                                                           GraphReplayOutcome& out) {
   std::vector<uint8_t> needed, written;
   std::vector<ValueId> stage_list;
-  if (!e.stage_list_for(call, plan, needed, written, stage_list, out) || !e.targets_held(call, targets, needed, out) ||
-      !e.handed_out_dead(*call.tape, written, out)) {
+  if (!e.stage_list_for(call, plan, needed, written, stage_list, out) || !e.targets_held(call, targets, needed, out)) {
     return {};
   }
+  // Staging writes static storage too (Note [Static memory]): a handed-out tensor over it must be dead as well.
+  std::vector<uint8_t> overwritten = written;
+  for (ValueId v : stage_list) {
+    if (!same_memory(e.statics[static_cast<size_t>(v)], (*call.live)[static_cast<size_t>(v)])) {
+      overwritten[static_cast<size_t>(call.tape->value(v).storage)] = 1;
+    }
+  }
+  if (!e.handed_out_dead(*call.tape, overwritten, out)) return {};
   const GraphPrune mask = prune_graph(*call.tape, e.exec->topology(), plan.ops);
   if (!mask.ok()) {
     refuse(out, mask.verdict.reason, mask.verdict.detail);
@@ -747,8 +779,9 @@ std::unordered_map<ValueId, at::Tensor> GraphCache::launch(Entry& e, const Graph
   } after{*device_, *e.exec};
   // What earlier launches handed out and is dead, or is about to be overwritten (checked above: dead), is forgotten.
   e.handed.erase(std::remove_if(e.handed.begin(), e.handed.end(),
-                                [&](ValueId v) {
-                                  return written[static_cast<size_t>(call.tape->value(v).storage)] || !e.referenced(v);
+                                [&](const Entry::Handed& h) {
+                                  return overwritten[static_cast<size_t>(call.tape->value(h.value).storage)] ||
+                                         !Entry::referenced(h);
                                 }),
                  e.handed.end());
   if (!e.stage(*device_, *call.live, stage_list, out)) return {};

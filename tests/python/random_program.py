@@ -322,6 +322,9 @@ DATA_WRITE_POINTS = ("forward", "backward", "between")
 STEP_SHAPES = ("backward", "retain_twice", "two_losses", "autograd_grad", "grad_then_backward")
 # Drawn by Program._with_batched_backward from its own RNG (the shapes above keep their draws).
 BATCHED_SHAPE = "grads_batched"
+# Drawn by Program._with_double_backward from its own RNG: a gradient penalty (create_graph=True, then a backward
+# through the gradients), so the first backward's unpacked tensors stay referenced by the second's graph.
+DOUBLE_SHAPE = "double_backward"
 SCHEDULES = ("one_segment", "planned", "hold_all", "lazy")  # Config.schedule
 WARMUPS = ("none", "same", "strided")  # Program.warmup (issue 20)
 HOOKS = ("dispatch_key", "record_function")  # Program.hook (issue 20: Note [Dispatch hook])
@@ -398,7 +401,7 @@ class Program:
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
-                ._with_input_writes()._with_batched_backward())
+                ._with_input_writes()._with_batched_backward()._with_double_backward())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -462,6 +465,19 @@ class Program:
         if self.step != "backward" or self.data_writes or random.Random(f"batched-{self.seed}").random() >= 0.08:
             return self
         return dataclasses.replace(self, step=BATCHED_SHAPE)
+
+    def _with_double_backward(self) -> "Program":
+        """A plain backward turned into a gradient penalty (from its own RNG): autograd.grad with create_graph=True,
+        then backward of loss + 0.1 * sum(g^2). The second backward reads the first one's unpacked (replayed) tensors
+        again, saved in its graph; with a repeated first block the replay of one call overwrote, on the emulated
+        graph, the static buffer another call's replay had handed out (Note [Static memory]; an independent fuzzer's
+        case, hold_all). Half of these call the first block twice. Not with external kernels (their backward is not
+        differentiable) nor attention (CPU SDPA has no double backward)."""
+        rng = random.Random(f"double-{self.seed}")
+        no_double = {"external_kernel", "sdpa"}
+        if self.step != "backward" or self.data_writes or no_double & set(self.ops()) or rng.random() >= 0.1:
+            return self
+        return dataclasses.replace(self, step=DOUBLE_SHAPE, repeat_first=self.repeat_first or rng.random() < 0.5)
 
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
@@ -885,6 +901,13 @@ def run_step(model: "ProgramModel", program: Program, x: torch.Tensor) -> torch.
         go = torch.tensor([1.0, -0.5], dtype=loss.dtype)
         grads = torch.autograd.grad(loss, wrt, grad_outputs=go, is_grads_batched=True, allow_unused=True)
         _accumulate(wrt, tuple(None if g is None else g[0] + g[1] for g in grads))
+    elif shape == "double_backward":
+        # the penalty's backward runs through the first backward's graph (create_graph): it unpacks the blocks'
+        # saved tensors a second time and reads the tensors the first backward's ops saved, replays among them
+        loss = loss_of(out)
+        grads = torch.autograd.grad(loss, wrt, create_graph=True, allow_unused=True)
+        penalty = sum((g * g).sum() for g in grads if g is not None)
+        (loss + 0.1 * penalty).backward()
     else:
         raise KeyError(shape)
     return loss.detach()

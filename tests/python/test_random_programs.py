@@ -483,3 +483,22 @@ def test_generator_covers_backwards_run_under_vmap() -> None:
     replays of random ops used to raise PyTorch's untyped vmap error, are frequent enough."""
     steps = Counter(R.Program.generate(seed).step for seed in range(max(N_PROGRAMS, 500)))
     assert steps[R.BATCHED_SHAPE] >= 12, steps
+
+
+def test_a_gradient_penalty_reads_what_a_launch_handed_out() -> None:
+    """Random program 3025 (Program._with_double_backward): a double backward through a block called twice, schedule
+    hold_all on the emulated graph, its op set policy keeping some values. The second backward reads tensors a graph
+    launch handed out (views among them); the launch liveness check compared the static storage's reference count
+    with a baseline that had counted the capture's own staged inputs, judged them unused, and the next launch wrote
+    over them: every gradient silently wrong (Note [Handed-out storages], replay/src/graph_block.cpp)."""
+    program = R.Program.generate(3025)
+    assert program.step == R.DOUBLE_SHAPE and program.repeat_first and program.backend == "emulated_graph"
+    R.check_program(3025)
+
+
+def test_generator_covers_gradient_penalties() -> None:
+    """Double backwards (create_graph, then a backward through the gradients), half with a repeated first block."""
+    programs = [R.Program.generate(seed) for seed in range(max(N_PROGRAMS, 1000))]
+    double = [p for p in programs if p.step == R.DOUBLE_SHAPE]
+    assert len(double) >= 20, len(double)
+    assert sum(p.repeat_first for p in double) >= 12

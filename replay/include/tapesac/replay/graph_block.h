@@ -20,9 +20,12 @@
 //  * every needed op was captured (not_in_graph);
 //  * no needed op writes the storage of a value staged for it (staging_conflict: the op would overwrite the staged
 //    bytes before a reader saw them) and no needed op writes a target's storage past the state the target is read at;
-//  * the tensors handed out by the previous launch are dead (outputs_live), judged from reference counts;
+//  * the tensors earlier launches handed out are dead (outputs_live; Note [Handed-out storages], graph_block.cpp)
+//    when this launch writes their storage: through a needed op, or by staging another tensor into that static
+//    buffer (one graph serving two calls of a block: one call's kept value staged over what the other call's launch
+//    handed out and a later segment or a double backward still reads — silently wrong gradients before this check);
 //  * the device can make the random ops draw the forward's numbers (rng_mismatch).
-// Launched targets are the static tensors themselves (no copy): autograd reads them before the next launch of
+// Launched targets are the static tensors' bytes (no copy): autograd reads them before the next launch of
 // the same graph writes them, which the liveness check enforces. With a replay schedule (schedule.h) a block call
 // launches once per segment with that segment's nodes enabled: the values an earlier launch handed out and a later
 // segment reads live are its static tensors (nothing is staged), and a launch is refused only when it would write

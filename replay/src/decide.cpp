@@ -29,16 +29,39 @@ void split_decidable(const DecisionInput& in, KeepDecision& d) {
   std::sort(d.decidable.begin(), d.decidable.end());
 }
 
+// Note [Written after its save]. A saved value whose storage the block writes after the save: autograd's saved tensor
+// is that storage, so a backward without tapesac reads the bytes of the *last* write, not the ones at the save. A
+// write autograd saw moved the saved tensor's version (its backward raises, with or without tapesac); one it did not
+// (`t.data.add_(1)`, an in-place op on a `.data` or `set_` alias) is read. A replay rebuilds the bytes at the save:
+// wrong gradients, silent under contract "check" (an independent fuzzer, policy full). Such a value is kept: served,
+// it is the storage autograd would read.
+// A value saved twice, before and after such a write, is kept too: both saves are that storage (a value is decided at
+// its last save's state, whose bytes a one-segment replay served to both; a lazy schedule rebuilt the first save's
+// state for the first: random program 265).
+std::vector<uint8_t> written_after_save(const DecisionInput& in, size_t n) {
+  std::vector<uint8_t> out(n, 0);
+  for (const SavedValue& s : in.saved) {
+    if (s.state < in.tape->storage(in.tape->value(s.value).storage).final_state()) {
+      out[static_cast<size_t>(s.value)] = 1;
+    }
+  }
+  return out;
+}
+
 // Step 1 of the Note: values that cannot be rebuilt are kept, in tape order.
 void find_must_keep(const DecisionInput& in, KeepDecision& d, RebuildCheck& rebuildable) {
   d.must_keep.assign(d.decidable.size(), 0);
   if (in.policy == PolicyKind::kNone && !in.observed) return;
   std::vector<uint8_t> tainted;
   if (!in.kept_externals.empty()) tainted = propagate_taint(*in.tape, in.kept_externals);
+  const std::vector<uint8_t> written = written_after_save(in, d.keep.size());
   for (size_t i = 0; i < d.decidable.size(); ++i) {
     const ValueId v = d.decidable[i];
     const bool reads_kept_storage = !tainted.empty() && tainted[static_cast<size_t>(v)];
-    if (!reads_kept_storage && rebuildable.ok(Read{v, d.state[static_cast<size_t>(v)]})) continue;
+    if (!reads_kept_storage && !written[static_cast<size_t>(v)] &&
+        rebuildable.ok(Read{v, d.state[static_cast<size_t>(v)]})) {
+      continue;
+    }
     d.must_keep[i] = 1;
     d.available[static_cast<size_t>(v)] = 1;
   }

@@ -401,7 +401,7 @@ class Program:
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
-                ._with_input_writes()._with_batched_backward()._with_double_backward())
+                ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -479,6 +479,22 @@ class Program:
             return self
         return dataclasses.replace(self, step=DOUBLE_SHAPE, repeat_first=self.repeat_first or rng.random() < 0.5)
 
+    def _with_saved_data_writes(self) -> "Program":
+        """A `.data` write inside a block's forward to one of the block's own intermediates, after a later op may have
+        saved it (from its own RNG): the version counter does not move, so a backward without tapesac reads the
+        written bytes (Note [Written after its save], replay/src/decide.cpp; an independent fuzzer's case, replayed
+        from before the write under policy full and contract "check")."""
+        rng = random.Random(f"saved-data-write-{self.seed}")
+        if rng.random() >= 0.12:
+            return self
+        blocks = [list(ops) for ops in self.blocks]
+        i = rng.randrange(len(blocks))
+        first = 1 if blocks[i][0].kind == "input_inplace" else 0
+        at = rng.randint(first + 3, len(blocks[i]))  # after the first linear and tanh (and a third op)
+        blocks[i].insert(at, OpSpec("data_write_saved", j=rng.randint(first + 1, at),
+                                    p=rng.choice([0.5, 1.5, -1.0])))
+        return dataclasses.replace(self, blocks=tuple(tuple(ops) for ops in blocks))
+
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
         emulated graph captures on a later step than the first; a drawn warm-up (WARMUPS) is at least one step."""
@@ -494,6 +510,8 @@ class Program:
             out.append("input_inplace" + (":repeated" if self.repeat_first and self.blocks[0][0].kind == "input_inplace"
                                           else ""))
         out += [f"data_write:{w.where}" for w in self.data_writes]
+        if "data_write_saved" in self.ops():
+            out.append("data_write:saved")
         if self.step != "backward":
             out.append(f"step:{self.step}")
         return out or ["plain"]
@@ -576,6 +594,9 @@ class RandomBlock(nn.Module):
 
 def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool: list[torch.Tensor]) -> torch.Tensor:
     kind = op.kind
+    if kind == "data_write_saved":  # Program._with_saved_data_writes: the block's own intermediate, no version move
+        pool[op.j % len(pool)].data.mul_(op.p)
+        return h
     base = _base(kind)
     p = pool[op.j % len(pool)]
     q = pool[op.k % len(pool)]

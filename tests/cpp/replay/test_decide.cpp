@@ -258,5 +258,36 @@ TEST(Decide, TheDecisionKeyIsEqualOnlyForEqualInputs) {
   }
 }
 
+// Note [Written after its save]: t = x * 2; u = t * w saves t; t.data.add_(1) writes t's storage (no version move).
+// A backward without tapesac reads the written bytes; a replay would rebuild those at the save. Kept, every policy.
+TEST(Decide, ASavedValueTheBlockWritesAfterTheSaveIsKept) {
+  TapeBuilder b;
+  const ValueId x = b.ext();
+  const ValueId w = b.ext();
+  const ValueId t = b.op("aten::mul", {x});
+  const Read t_at_save = b.now(t);
+  const ValueId u = b.op("aten::mul", {t, w});
+  const ValueId after = b.inplace("aten::add_", t, {});
+  const ValueId v = b.op("aten::tanh", {u});
+  DecisionInput in;
+  in.tape = &b.tape;
+  in.saved = {saved(t_at_save), saved(b.now(v))};
+  for (PolicyKind policy : {PolicyKind::kFull, PolicyKind::kSaveOps, PolicyKind::kPlan}) {
+    in.policy = policy;
+    const KeepDecision d = decide_keep(in);
+    EXPECT_EQ(d.must_keep, (std::vector<uint8_t>{1, 0})) << static_cast<int>(policy);
+    EXPECT_EQ(d.keep[static_cast<size_t>(t)], 1);
+    if (policy == PolicyKind::kFull) EXPECT_EQ(d.keep[static_cast<size_t>(v)], 0);  // the rest is dropped as before
+  }
+  // The value after the write, saved at the storage's last state, is rebuilt like any other.
+  in.policy = PolicyKind::kFull;
+  in.saved = {saved(b.now(after))};
+  EXPECT_EQ(decide_keep(in).must_keep, (std::vector<uint8_t>{0}));
+  // One value saved before the write and again after it (e = exp(h) saved by exp, e.data.mul_(0.5), then e * x saves
+  // it at the later state): both saves are the one storage, kept (random program 265).
+  in.saved = {saved(t_at_save), SavedValue{t, b.now(after).state}};
+  EXPECT_EQ(decide_keep(in).must_keep, (std::vector<uint8_t>{1}));
+}
+
 }  // namespace
 }  // namespace tapesac::replay

@@ -5,7 +5,8 @@
 // an internal storage (externals and every value of a call whose recording failed are kept as they are). In order:
 //  1. must-keep: a decidable value replay cannot rebuild from the values available so far (a non-replayable
 //     producer, a read of external state at an earlier state, or — with a preservation plan that keeps the
-//     dependents of some external storages — a rebuild reading such a storage). Tape order, each found one is made
+//     dependents of some external storages — a rebuild reading such a storage), or one whose storage the block
+//     writes after the save (Note [Written after its save], decide.cpp). Tape order, each found one is made
 //     available at once so later values can be rebuilt from it. Skipped under policy "none" when nobody observes
 //     (every value is kept anyway: the prunes are O(ops) each).
 //  2. the policy: "none" keeps, "full" drops, an op set keeps the outputs of the ops it names (the op that wrote the

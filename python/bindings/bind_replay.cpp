@@ -1,6 +1,8 @@
 // Bindings of replay/: the step Session and the saved-tensor pack/unpack functions handed to
 // torch.autograd.graph.saved_tensors_hooks (one C++ call per saved tensor, no Python logic), and the graph devices.
 // Statistics are converted by bind_stats.cpp.
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -62,10 +64,17 @@ void release_slot(PyObject* capsule) {
 
 // A capsule is the cheapest Python object with a destructor: autograd drops it with the graph node that saved the
 // tensor, which releases the slot.
+// Whether autograd saves `t` as itself (Note [Saved as itself], replay/src/block_call_replay.cpp): a leaf, or a tensor
+// whose node is not the one being made — an output is packed after its node was made, the newest on the thread.
+bool saved_as_itself(const at::Tensor& t) {
+  const auto& fn = t.grad_fn();  // a shared_ptr or an intrusive_ptr, by torch version
+  return fn == nullptr || fn->sequence_nr() + 1 != at::sequence_number::peek();
+}
+
 PyObject* pack(Session& s, const at::Tensor& t) {
   auto block = s.current_block();
   if (block == nullptr) return THPVariable_Wrap(capture::detached_alias(t));
-  auto slot = std::make_unique<replay::SavedSlot>(block, block->pack(t));
+  auto slot = std::make_unique<replay::SavedSlot>(block, block->pack(t, t.defined() && saved_as_itself(t)));
   PyObject* capsule = PyCapsule_New(slot.get(), kSlotCapsule, &release_slot);
   if (capsule != nullptr) slot.release();
   return capsule;

@@ -79,11 +79,12 @@ void BlockCall::resolve_pending(bool final) {
   pending_.erase(keep, pending_.end());
 }
 
-int32_t BlockCall::pack(const at::Tensor& t) {
+int32_t BlockCall::pack(const at::Tensor& t, bool as_itself) {
   std::lock_guard<std::mutex> lock(mu_);
   TAPESAC_INTERNAL_ASSERT(!forward_closed_, "pack after the forward of block ", name_, " closed");
   Slot s;
   s.tensor = capture::detached_alias(t);
+  s.as_itself = as_itself;
   if (t.defined()) s.origin = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
   if (t.defined() && !t.is_inference()) {
     s.version = t.unsafeGetTensorImpl()->version_counter();

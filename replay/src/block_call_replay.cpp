@@ -29,7 +29,9 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   const ValueId v = s.value;
   note_unpack(v);
   if (round_ == 0 && storage_alive(s)) alive_at_unpack_.insert(v);  // Note [dropped values alive elsewhere]
-  if (at::Tensor alive = still_alive(s); alive.defined()) {  // Note [a dropped tensor still alive]
+  at::Tensor alive = still_alive(s);  // Note [a dropped tensor still alive]
+  if (!alive.defined()) alive = replaced_data(s);  // Note [Saved as itself]
+  if (alive.defined()) {
     slots_[static_cast<size_t>(slot)].last_round = round_;
     --remaining_[static_cast<size_t>(v)];
     return alive;
@@ -87,16 +89,28 @@ bool BlockCall::storage_alive(const Slot& s) const {
 }
 
 at::Tensor BlockCall::serve_kept(int32_t slot) {
-  Slot& s = slots_[static_cast<size_t>(slot)];
+  const Slot& s = slots_[static_cast<size_t>(slot)];
   TAPESAC_INTERNAL_ASSERT(s.tensor.defined(), "kept slot ", slot, " of block ", name_, " holds no tensor");
-  if (!s.replaced_reported) {
-    const std::string replaced = ReplayContract::replaced_storage(s.origin, s.tensor);
-    if (!replaced.empty()) {
-      s.replaced_reported = true;
-      record(s.value, "recovered", 0, 0, "saved tensor #" + std::to_string(slot) + ": " + replaced);
-    }
-  }
+  if (at::Tensor replaced = replaced_data(s); replaced.defined()) return replaced;  // Note [Saved as itself]
   return s.tensor;
+}
+
+// Note [Saved as itself]. Autograd saves a leaf (a parameter, a tensor that requires no grad), or a tensor that is
+// not an output of the node saving it, as the tensor itself; an output as a shallow copy (`tensor_data()`, else a
+// reference cycle). So when `.data = ...` or set_ replaces such a tensor's storage between its forward and its
+// backward, a run without tapesac reads the new data for the first kind and the forward's bytes for the second.
+// An unpack serves the same: the tensor's current data for the first kind, kept or dropped (the pack says which:
+// BlockCall::pack's `as_itself`), the bytes the forward saved for the second. Before, every slot served the forward's
+// bytes and a `W.data = W.data * 0.5` between forward and backward gave other gradients than plain PyTorch under
+// every policy, "none" included (an independent fuzzer). Replays still read the forward's bytes (the contract
+// swaps them in): the activations autograd saved were computed from them.
+at::Tensor BlockCall::replaced_data(const Slot& s) const {
+  if (!s.as_itself) return {};
+  c10::intrusive_ptr<c10::TensorImpl> impl = s.origin.lock();
+  if (!impl || !impl->has_storage()) return {};
+  const void* forward = s.tensor.defined() ? s.tensor.storage().unsafeGetStorageImpl() : s.storage;
+  if (forward == nullptr || impl->storage().unsafeGetStorageImpl() == forward) return {};
+  return capture::detached_alias(at::Tensor(std::move(impl)));
 }
 
 void BlockCall::replay_for(ValueId wanted) {

@@ -166,9 +166,8 @@ std::string ReplayContract::replaced_storage(const c10::weak_intrusive_ptr<c10::
   c10::intrusive_ptr<c10::TensorImpl> now = origin.lock();
   if (!now || !now->has_storage()) return {};
   if (now->storage().unsafeGetStorageImpl() == held.storage().unsafeGetStorageImpl()) return {};
-  return "its tensor's storage was replaced after the forward (`.data = ...` or set_); tapesac served the bytes "
-         "the forward used (the gradient of the loss as computed), where a run without tapesac would mix in the "
-         "new data";
+  return "its tensor's storage was replaced after the forward (`.data = ...` or set_); the replay read the bytes "
+         "the forward used, as the activations a run without tapesac saves were computed from them";
 }
 
 }  // namespace tapesac::replay

@@ -343,8 +343,11 @@ class DataWrite:
     block: int
     target: str
     factor: float
+    replace: bool = False  # `.data = .data * factor`: a new storage (Program._with_data_replacements)
 
     def __str__(self) -> str:
+        if self.replace:
+            return f"{self.target}[{self.block}].data = .data * {self.factor:g} ({self.where})"
         return f"{self.target}[{self.block}].data *= {self.factor:g} ({self.where})"
 
 
@@ -401,7 +404,8 @@ class Program:
                           op_set_seed=rng.randrange(2**31), repeat_first=rng.random() < 0.15,
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
-                ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes())
+                ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
+                ._with_data_replacements())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -495,6 +499,17 @@ class Program:
                                     p=rng.choice([0.5, 1.5, -1.0])))
         return dataclasses.replace(self, blocks=tuple(tuple(ops) for ops in blocks))
 
+    def _with_data_replacements(self) -> "Program":
+        """Some `.data` writes become replacements, `t.data = t.data * factor` (from their own RNG): a new storage, no
+        version moves. Autograd saves a leaf (the weight) or a block input that is not the saving op's output as the
+        tensor itself, so a backward without tapesac reads the new data (Note [Saved as itself],
+        replay/src/block_call_replay.cpp; an independent fuzzer: other gradients under every policy before)."""
+        rng = random.Random(f"data-replace-{self.seed}")
+        if not self.data_writes or rng.random() >= 0.4:
+            return self
+        return dataclasses.replace(self, data_writes=tuple(dataclasses.replace(w, replace=True)
+                                                           for w in self.data_writes))
+
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
         emulated graph captures on a later step than the first; a drawn warm-up (WARMUPS) is at least one step."""
@@ -510,6 +525,8 @@ class Program:
             out.append("input_inplace" + (":repeated" if self.repeat_first and self.blocks[0][0].kind == "input_inplace"
                                           else ""))
         out += [f"data_write:{w.where}" for w in self.data_writes]
+        if any(w.replace for w in self.data_writes):
+            out.append("data_write:replace")
         if "data_write_saved" in self.ops():
             out.append("data_write:saved")
         if self.step != "backward":
@@ -802,7 +819,11 @@ class ProgramModel(nn.Module):
         return blk.mods[first_linear].weight if w.target == "weight" else self.block_inputs[w.block]
 
     def data_write(self, w: DataWrite) -> None:
-        self.write_target(w).data.mul_(w.factor)  # through .data: the version counter does not move
+        t = self.write_target(w)
+        if w.replace:
+            t.data = t.data * w.factor  # a new storage: the tensor's data is replaced, no version moves
+        else:
+            t.data.mul_(w.factor)  # through .data: the version counter does not move
 
     def _after_block(self, i: int, h: torch.Tensor) -> None:
         for w in self.program.data_writes:

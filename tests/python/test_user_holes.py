@@ -479,6 +479,103 @@ def test_a_write_inside_the_forward_to_a_saved_intermediate_reaches_the_gradient
         sac.close()
 
 
+class _HoldsItsSaves(nn.Module):
+    """t = lin(x); s = sin(t) saves t (an input: autograd saves the tensor itself); e = exp(s) saves e (an output:
+    autograd saves a shallow copy); e * w saves e and w (a leaf: the tensor itself). Holds t and e for the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        t = self.lin(x)
+        e = torch.sin(t).exp()
+        self.held = {"input": t, "output": e}
+        return torch.tanh(e * self.w)
+
+
+@pytest.mark.parametrize("backend", ["eager", "emulated_graph"])
+@pytest.mark.parametrize("policy", ["none", "full", "op_set"])
+@pytest.mark.parametrize("target", ["parameter", "input", "output"])
+def test_data_replaced_between_forward_and_backward_reads_what_autograd_reads(target: str, policy: str,
+                                                                              backend: str) -> None:
+    """An independent fuzzer: `W.data = W.data * 0.5` between forward and backward gave other gradients than plain
+    PyTorch under every policy, "none" included. Autograd saves a leaf, or a tensor that is not the saving op's
+    output, as the tensor itself: its backward reads the replaced data. It saves an op's output as a shallow copy: the
+    forward's bytes. tapesac serves the same (Note [Saved as itself], replay/src/block_call_replay.cpp); replays
+    still read the forward's bytes, as the activations autograd saved were computed from them."""
+    import tapesac
+
+    def step(m: M.Stack, x: torch.Tensor) -> None:
+        loss = m(x).sum()
+        for blk in m.blocks:
+            t = blk.w if target == "parameter" else blk.held[target]
+            t.data = t.data * 0.5  # a new storage; no version moves
+        loss.backward()
+
+    torch.manual_seed(0)
+    model = M.Stack([_HoldsItsSaves(), _HoldsItsSaves()])
+    x = torch.randn(2, 6, D, requires_grad=True)
+    pol = {"none": "none", "full": "full", "op_set": {"aten::addmm"}}[policy]
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=pol, backend=backend)
+    try:
+        for _ in range(3):  # the graph captures on a later step
+            for blk in model.blocks:
+                blk.held = {}  # non-leaf tensors: deepcopy refuses them
+            ref = copy.deepcopy(model)
+            xr = x.detach().clone().requires_grad_()
+            step(ref, xr)
+            xs = x.detach().clone().requires_grad_()
+            with sac.step():
+                step(model, xs)
+            diffs = _same_grads(model, ref)
+            assert not diffs, f"{target}.data replaced: gradients differ from plain PyTorch: {diffs}"
+            assert torch.equal(xs.grad, xr.grad)
+            with torch.no_grad():  # undo the replacement's effect on the parameters for the next step
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    p.copy_(q)
+                    p.grad = None
+        if policy != "none":
+            assert sac.last_step.ops_replayed > 0
+    finally:
+        sac.close()
+
+
+def test_data_replaced_outside_the_blocks_reads_what_autograd_reads() -> None:
+    """The same with a head outside the blocks whose weight is replaced: its matmul saves it without tapesac's hooks
+    (they are pushed per block call), so the head's gradient is plain PyTorch's, and the blocks' stay exact."""
+    import tapesac
+
+    class Headed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_HoldsItsSaves()])
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return self.head(self.blocks[0](x)).square().sum()
+
+    def step(m: nn.Module, x: torch.Tensor) -> None:
+        loss = m(x)
+        m.blocks[0].held = {}
+        m.head.weight.data = m.head.weight.data * -2.0
+        loss.backward()
+
+    torch.manual_seed(0)
+    model = Headed()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 6, D)
+    step(ref, x)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with sac.step():
+            step(model, x)
+    finally:
+        sac.close()
+    assert not _same_grads(model, ref)
+
+
 # ======================================================================================================================
 # 3. Other threads while a step is open
 # ======================================================================================================================

@@ -87,8 +87,9 @@ class BlockCall : public capture::RecorderListener,
   /// Called at step end: releases everything; later unpacks throw.
   void close_step() noexcept;
 
-  /// Registers a tensor autograd saves; returns its slot.
-  int32_t pack(const at::Tensor& t);
+  /// Registers a tensor autograd saves; returns its slot. `as_itself`: autograd saves this tensor itself, not a
+  /// shallow copy (Note [Saved as itself], block_call_replay.cpp): a leaf, or not an output of the node saving it.
+  int32_t pack(const at::Tensor& t, bool as_itself = false);
   /// The tensor saved in `slot`, replaying its producers on first need.
   at::Tensor unpack(int32_t slot);
   /// The handle of `slot` is gone (autograd freed the node that saved it): its tensor is no longer needed. When
@@ -142,10 +143,10 @@ class BlockCall : public capture::RecorderListener,
     uint32_t saved_version = 0;
     bool released = false;
     int64_t last_round = -1;  // the unpack round in which this slot was last unpacked
-    // The tensor autograd saved (weak): when its storage is replaced (`.data = ...`) after the forward, the slot
-    // still serves the forward's bytes, and the unpack says so in the records.
+    // The tensor autograd saved (weak), and whether autograd saves it as itself: then a storage replaced after the
+    // forward (`.data = ...`, set_) is what the unpack serves (Note [Saved as itself], block_call_replay.cpp).
     c10::weak_intrusive_ptr<c10::TensorImpl> origin{c10::intrusive_ptr<c10::TensorImpl>()};
-    bool replaced_reported = false;
+    bool as_itself = false;
     // Dropped: the storage the saved tensor had, its data pointer and size then (see Note [a dropped tensor still
     // alive], block_call_replay.cpp).
     const void* storage = nullptr;
@@ -185,6 +186,7 @@ class BlockCall : public capture::RecorderListener,
   void begin_backward();
   at::Tensor serve_kept(int32_t slot);
   at::Tensor still_alive(const Slot& s) const;
+  at::Tensor replaced_data(const Slot& s) const;
   /// Whether a dropped slot's storage still holds the allocation it had at the drop (held by something else).
   bool storage_alive(const Slot& s) const;
   void replay_for(ValueId wanted);

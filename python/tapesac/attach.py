@@ -94,6 +94,17 @@ class Attachment:
         if step is not None:
             step.__exit__(None, None, None)
 
+    def abandon(self) -> None:
+        """Detaches after a failure: an open step ends as failed (as when an exception leaves ``with sac.step():``;
+        its statistics are not collected, nothing is raised) and the hooks are removed."""
+        step, self._step = self._step, None
+        try:
+            if step is not None:
+                err = TapeSACError("the training loop stopped with this step open")
+                step.__exit__(TapeSACError, err, None)
+        finally:
+            self.detach()
+
     def detach(self) -> None:
         """Ends an open step and removes the hooks from the blocks and the optimizer."""
         try:

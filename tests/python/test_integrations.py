@@ -88,6 +88,54 @@ def test_hf_callback_refuses_a_tapesac_of_another_model(tapesac, tmp_path) -> No
     sac.close()
 
 
+@pytest.mark.parametrize("how", ["add_to", "callbacks"])
+def test_hf_train_that_raises_leaves_nothing_attached_and_can_run_again(tapesac, tmp_path, how: str) -> None:
+    """HF has no exception hook: a train() that raised never reached on_train_end, and the TapeSAC stayed attached —
+    later forwards with gradients outside the Trainer opened tapesac steps, and a new TapeSACCallback on the same
+    TapeSAC was refused ("already attached"), found by an adversarial test. add_to() now detaches when train()
+    raises; a callback given in `callbacks=` takes over at the next train() (its own, or another callback's)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from tapesac.integrations.hf import TapeSACCallback
+
+    class Boom(TrainerCallback):
+        def __init__(self) -> None:
+            self.armed = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.armed and state.global_step == 2:
+                self.armed = False
+                raise RuntimeError("boom")
+
+    torch.manual_seed(0)
+    model = M.hf_qwen3(LAYERS)
+    sac = tapesac.TapeSAC(model, blocks="model.layers.*", policy="full")
+    boom = Boom()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                             learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    first = TapeSACCallback(sac)
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(),
+                      callbacks=[boom] + ([first] if how == "callbacks" else []))
+    if how == "add_to":
+        first.add_to(trainer)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    steps = len(sac.history)
+    if how == "add_to":
+        assert not sac._attachment  # detached by add_to's wrapper
+        ids = _Tokens()[0]["input_ids"][None]
+        M.hf_loss(model, ids).backward()  # a plain forward and backward: no tapesac step
+        assert len(sac.history) == steps
+    # Training again, with a new callback: it takes the attachment over and trains exactly.
+    second = TapeSACCallback(sac)
+    trainer2 = Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[second])
+    trainer2.train()
+    assert len(sac.history) == steps + 3
+    assert not sac._attachment
+    sac.close()
+
+
 class _LitModule(torch.nn.Module):
     """The parts of a LightningModule the callback uses: modules() and log_dict()."""
 

@@ -187,8 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _heads(args: argparse.Namespace) -> int:
     """The attention heads, after the numeric options are checked (a bad value is a usage error, cli_args)."""
-    from .cli_args import at_least, positive_finite
+    from .cli_args import at_least, positive_finite, writable
 
+    writable("--plot", args.plot, figure=True)
     for option, value in (("--steps", args.steps), ("--batch", args.batch), ("--layers", args.layers),
                           ("--hidden", args.hidden), ("--heads", args.heads), ("--threads", args.threads)):
         at_least(option, value, 1)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .plotting import pyplot
+from .plotting import pyplot, save_figure
 
 __all__ = ["Frontier"]
 
@@ -64,7 +64,4 @@ class Frontier:
         uniq = dict(zip(labels, handles))
         ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper right")
         fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        return out
+        return save_figure(plt, fig, path, "Frontier.plot")

@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
     from .frontier import Frontier
     from .progress import Progress
 
-    from .cli_args import at_least
+    from .cli_args import at_least, writable
 
+    writable("--plot", args.plot, figure=True)
+    writable("--json", args.json)
     at_least("--rounds", args.rounds, 1)
     at_least("--points", args.points, 2)
     variants = "ckpt,torch_sac,tapesac_full,tapesac_auto_0.25,tapesac_auto_0.5,tapesac_auto_0.75"

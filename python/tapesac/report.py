@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
-from .plotting import pyplot
+from .plotting import pyplot, save_figure, write_output
 from .stats import SCHEMA_VERSION, StepStats
 
 __all__ = ["StepReport", "SCHEMA_VERSION", "median_of_steps"]
@@ -150,7 +150,7 @@ class StepReport:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_output(path, text + "\n", "StepReport.to_json")
         return text
 
     def pretty(self) -> str:
@@ -285,7 +285,4 @@ def plot_reports(reports: Sequence[StepReport], path: str | Path, title: str | N
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(plt, fig, path, "StepReport.plot")

@@ -24,6 +24,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .cli_args import writable
+
+    writable("--plot", args.plot, figure=True)
+    writable("--json", args.json)
     reports = [StepReport.from_jsonl(p) for p in args.logs]  # ConfigError: one line, exit status 2
     for path, rep in zip(args.logs, reports):
         print(f"== {path}")

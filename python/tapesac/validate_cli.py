@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     from .bench.sizes import SIZES, build_model, describe_model
     from .validate import validate
 
+    from .cli_args import writable
+
+    writable("--json", args.json)
     size = SIZES[args.size]
     if size.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--size {args.size} needs CUDA (torch.cuda.is_available() is False); use smoke, small or "

@@ -135,7 +135,12 @@ def test_progress_goes_to_stderr_through_tqdm(tapesac, capsys) -> None:
     ["demo", "--batch", "0"], ["demo", "--seq", "0"], ["demo", "--hidden", "0"], ["demo", "--heads", "0"],
     ["demo", "--heads", "5"], ["demo", "--lr", "nan"], ["demo", "--lr", "-1"], ["demo", "--val-batches", "-1"],
     ["demo", "--layers", "0"], ["demo", "--seq", "1"], ["frontier", "--rounds", "0"], ["frontier", "--points", "1"],
-], ids=lambda a: "_".join(a).replace("--", ""))
+    # Output paths, checked before the job (a long run ended in an untyped OSError / ValueError, exit 1).
+    ["demo", "--plot", "/nonexistent/m.png"], ["demo", "--plot", "m.notaformat"], ["frontier", "--plot", "."],
+    ["frontier", "--json", "/nonexistent/f.json"], ["validate", "--json", "/nonexistent/v.json"],
+    ["report", "--plot", "r.notaformat", "log.jsonl"], ["report", "--plot", "", "log.jsonl"],
+    ["report", "--json", "/nonexistent/r.json", "log.jsonl"],
+], ids=lambda a: "_".join(a).replace("--", "").replace("/", "")[:40])
 def test_bad_option_values_are_one_line_usage_errors(tapesac, capsys, argv) -> None:
     """Found by an adversarial test: these failed deep in the job and exited 1 as "internal error ... report it"
     (a ZeroDivisionError for --heads 0, AdamW's ValueError for --lr nan). Now one line naming the option, exit 2,

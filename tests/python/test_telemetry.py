@@ -313,6 +313,30 @@ def test_report_json_round_trip_pretty_and_plot(tapesac, tmp_path) -> None:
     sac.close()
 
 
+def test_report_outputs_to_a_bad_path_are_config_errors_and_leak_no_figure(tapesac, tmp_path) -> None:
+    """An adversarial test: plot() / to_json() / Frontier.plot() to a missing folder or an unknown image format raised
+    an untyped OSError / ValueError, and each failed plot left its matplotlib figure open."""
+    import matplotlib.pyplot as plt
+
+    model = _qwen()
+    sac = tapesac.TapeSAC(model, memory_limit="90%")  # auto: frontier() needs it
+    for _ in range(2):
+        with sac.step():
+            _lm_step(model, _tokens())
+        model.zero_grad(set_to_none=True)
+    rep, front = sac.report(), sac.frontier(points=4)
+    figures = len(plt.get_fignums())
+    bad = [lambda: rep.plot(tmp_path / "missing" / "r.png"), lambda: rep.plot(tmp_path / "r.notaformat"),
+           lambda: rep.to_json(tmp_path / "missing" / "r.json"), lambda: front.plot(tmp_path / "missing" / "f.png"),
+           lambda: front.plot(tmp_path / "f.notaformat"), lambda: rep.to_json(tmp_path)]
+    for call in bad:
+        with pytest.raises(tapesac.ConfigError, match="cannot write"):
+            call()
+    assert len(plt.get_fignums()) == figures
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    sac.close()
+
+
 def test_jsonl_log_and_report_cli(tapesac, tmp_path, capsys) -> None:
     from tapesac import cli
 

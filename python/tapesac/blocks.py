@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from . import _C
 from .errors import ConfigError
 
-__all__ = ["resolve_blocks", "resolve_backend", "model_device", "is_compiled", "ModelTensors"]
+__all__ = ["resolve_blocks", "check_blocks", "resolve_backend", "model_device", "is_compiled", "ModelTensors"]
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -45,10 +45,11 @@ class ModelTensors:
     once (``modules()``); a tensor shared by two modules twice (the session counts each storage once).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, on_tree_change: Callable[[], None] | None = None) -> None:
         self._model = model
         self._modules: list[nn.Module] = []
         self._children: list[tuple[Any, ...]] = []
+        self._on_tree_change = on_tree_change  # called when the tree changed since the last step (not the first)
 
     def _tree_changed(self) -> bool:
         if not self._modules:
@@ -60,6 +61,8 @@ class ModelTensors:
 
     def __call__(self) -> list[torch.Tensor]:
         if self._tree_changed():
+            if self._modules and self._on_tree_change is not None:
+                self._on_tree_change()  # may raise: the cache is rebuilt at the next call
             self._modules = list(self._model.modules())
             self._children = [tuple(m._modules.values()) for m in self._modules]
         out: list[torch.Tensor] = []
@@ -149,3 +152,26 @@ def resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]
             f"{paths[:4]} (with * for any index, e.g. 'model.layers.*'), or a class name such as {classes[:6]}"
         )
     return outer
+
+
+def check_blocks(model: nn.Module, spec: Any, blocks: list[tuple[str, nn.Module]]) -> None:
+    """TapeSACError unless `spec` still selects the modules `blocks` holds (called when the module tree changed between
+    steps). The hooks are on those modules: a block replaced (``model.layers[0] = ...``, ``torch.compile`` of a layer
+    assigned back), added or removed afterwards would run without tapesac, in silence (an adversarial test)."""
+    from .errors import TapeSACError
+
+    try:
+        now = resolve_blocks(model, spec)
+    except ConfigError:
+        now = []
+    if [m for _, m in now] == [m for _, m in blocks]:
+        return
+    was = {id(m): n for n, m in blocks}
+    new = {id(m): n for n, m in now}
+    gone = [n for n, m in blocks if id(m) not in new]
+    added = [f"{n} ({type(m).__name__})" for n, m in now if id(m) not in was]
+    what = "; ".join(p for p in (f"no longer blocks: {gone}" if gone else "",
+                                 f"new blocks: {added}" if added else "") if p) or "reordered"
+    raise TapeSACError(f"the model's blocks changed after this TapeSAC was made ({what}): tapesac's hooks are on the "
+                       f"modules it found then, so a changed block would run without it. Make the TapeSAC after "
+                       f"changing the model: sac.close(), then tapesac.TapeSAC(model, ...)")

@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _C
 from .attach import Attachment, check_not_attached
-from .blocks import ModelTensors, model_device, resolve_backend, resolve_blocks
+from .blocks import ModelTensors, check_blocks, model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc, resolve_schedule
 from .conflicts import Conflicts
 from .errors import ConfigError, TapeSACError
@@ -112,8 +112,9 @@ class TapeSAC:
         policy = cfg.policy if cfg.policy is not None else ("auto" if limit is not None else "full")
         self.backend = resolve_backend(cfg.backend, self._device)
         self._model = model
-        self._tensors = ModelTensors(model)  # parameters and buffers, read at each step's start
         self._blocks = resolve_blocks(model, cfg.blocks)
+        # Parameters and buffers, read at each step's start; a changed module tree re-checks the blocks.
+        self._tensors = ModelTensors(model, lambda: check_blocks(model, cfg.blocks, self._blocks))
         self._policy_label, session_policy, save_op = parse_policy(policy)
         self._save_op = save_op
         check = cfg.contract != "off"

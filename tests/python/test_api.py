@@ -697,3 +697,36 @@ def test_public_api_misuse_found_by_adversarial_tests_is_typed(tapesac, tmp_path
     with pytest.raises(tapesac.ConfigError):
         tapesac.parse_memory_limit("50%", "xyz")
     sac.close()
+
+
+@pytest.mark.parametrize("change", ["replace", "append", "compile", "delete", "lora_inside"])
+def test_blocks_changed_after_the_tapesac_was_made(tapesac, change: str) -> None:
+    """An adversarial test: `model.blocks[0] = NewBlock()` after TapeSAC(...) ran the new block without tapesac, in
+    silence (its hooks are on the module found at construction, which also stayed alive). A step now refuses with
+    TapeSACError naming the change, before anything is installed; a change inside a block (an adapter added to one of
+    its layers) is no change of the blocks and steps on."""
+    model = stack(3)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with sac.step():
+        model(x_in()).sum().backward()
+    if change == "replace":
+        model.blocks[0] = M.MLPBlock()
+    elif change == "append":
+        model.blocks.append(M.MLPBlock())
+    elif change == "compile":
+        model.blocks[1] = torch.compile(model.blocks[1])
+    elif change == "delete":
+        del model.blocks[2]
+    else:
+        model.blocks[0].lora = nn.Linear(M.D, 4)  # a new submodule inside a block: its tapes change, not the blocks
+    if change == "lora_inside":
+        with sac.step():
+            model(x_in()).sum().backward()
+        assert sac.last_step.block_calls == 3
+    else:
+        with pytest.raises(tapesac.TapeSACError, match="blocks changed after this TapeSAC was made"):
+            with sac.step():
+                model(x_in()).sum().backward()
+        assert not sac.in_step
+        model(x_in()).sum().backward()  # no hook left: a plain step runs as plain PyTorch
+    sac.close()

@@ -144,6 +144,12 @@ def resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]
         if any(id(mm) in chosen_ids and nn_name in ancestors for nn_name, mm in named if mm is not m):
             continue
         outer.append((name, m))
+    containers = [n for n, m in outer if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    if containers:  # no forward of their own: such a "block" is never called, nothing would be checkpointed
+        raise ConfigError(
+            f"blocks={blocks!r} selects {containers[0]!r}, a {type(dict(outer)[containers[0]]).__name__}: a container "
+            f"the forward never calls, so nothing would be checkpointed. Select its layers: "
+            f"blocks={containers[0] + '.*'!r}")
     if not outer:
         classes = sorted({type(m).__name__ for _, m in named})[:12]
         paths = [n for n, _ in named if n][:12]

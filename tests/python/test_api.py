@@ -730,3 +730,11 @@ def test_blocks_changed_after_the_tapesac_was_made(tapesac, change: str) -> None
         assert not sac.in_step
         model(x_in()).sum().backward()  # no hook left: a plain step runs as plain PyTorch
     sac.close()
+
+
+@pytest.mark.parametrize("spec", ["blocks", "ModuleList"])
+def test_blocks_naming_a_container_is_a_config_error(tapesac, spec: str) -> None:
+    """An adversarial test: blocks="model.layers" (the ModuleList, not its layers) was accepted; a ModuleList has no
+    forward, so no block call was ever recorded — a warning at step 1, nothing checkpointed. Refused at once now."""
+    with pytest.raises(tapesac.ConfigError, match=r"blocks='blocks\.\*'"):
+        tapesac.TapeSAC(stack(2), blocks=spec)

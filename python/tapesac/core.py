@@ -360,8 +360,9 @@ class TapeSAC:
         plus the steps measured so far. Needs one finished step."""
         from .frontier import Frontier
 
-        if self._policy_label != "auto" or self._runtime.plan is None:
-            raise TapeSACError("frontier() needs policy='auto' (a memory_limit) and one finished step")
+        if self._policy_label != "auto" or self._runtime.plan is None or self._closed:
+            raise TapeSACError("frontier() needs policy='auto' (a memory_limit) and one finished step"
+                               + ("; this TapeSAC was closed (its tapes are gone)" if self._closed else ""))
         if not isinstance(points, int) or isinstance(points, bool) or not 2 <= points <= 1000:
             raise ConfigError(f"frontier(points={points!r}): expected an int in [2, 1000]")
         planned = [
@@ -387,8 +388,9 @@ class TapeSAC:
 
     @memory_limit.setter
     def memory_limit(self, value: Any) -> None:
-        if self._in_step:  # refused half-way, the runtime still enforced it from the next step (adversarial test)
-            raise TapeSACError("sac.memory_limit can be set only between steps (after the step's `with` block)")
+        if self._in_step or self._closed:  # refused half-way, the runtime still enforced it (adversarial tests)
+            raise TapeSACError("sac.memory_limit can be set only between steps (after the step's `with` block)"
+                               if not self._closed else "sac.memory_limit set on a closed TapeSAC; make a new one")
         limit = parse_memory_limit(value, self._device) or 0
         # The session's and the graphs' limit; preserve="auto" chooses again; policy "auto" re-plans after the next
         # step.

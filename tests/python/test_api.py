@@ -738,3 +738,19 @@ def test_blocks_naming_a_container_is_a_config_error(tapesac, spec: str) -> None
     forward, so no block call was ever recorded — a warning at step 1, nothing checkpointed. Refused at once now."""
     with pytest.raises(tapesac.ConfigError, match=r"blocks='blocks\.\*'"):
         tapesac.TapeSAC(stack(2), blocks=spec)
+
+
+def test_a_closed_tapesac_refuses_a_limit_and_a_frontier(tapesac) -> None:
+    """An adversarial test: after close(), `sac.memory_limit = ...` was accepted (and changed nothing), and frontier()
+    said it needed a finished step. Both are TapeSACError saying the TapeSAC is closed; report() still reads the
+    history."""
+    model = stack(2)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", memory_limit="90%")
+    with sac.step():
+        model(x_in()).sum().backward()
+    sac.close()
+    with pytest.raises(tapesac.TapeSACError, match="closed"):
+        sac.memory_limit = 10**9
+    with pytest.raises(tapesac.TapeSACError, match="was closed"):
+        sac.frontier()
+    assert sac.report().last["step"] == 1

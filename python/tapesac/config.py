@@ -9,9 +9,12 @@ refers to, the backend ``"auto"`` picks, the policy ``None`` means) are resolved
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
+
+from torch import nn
 
 from .errors import ConfigError
 from .memory import parse_memory_limit
@@ -58,10 +61,11 @@ class Approx:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not (
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, numbers.Real) or not (
             0 < self.fraction <= 1
         ):
             raise ConfigError(f"Approx(fraction={self.fraction!r}): expected a number in (0, 1], e.g. 2/3")
+        object.__setattr__(self, "fraction", float(self.fraction))  # a numpy scalar too (np.float32 was refused)
         if self.method not in APPROX_METHODS:
             raise ConfigError(f"Approx(method={self.method!r}): expected one of {list(APPROX_METHODS)}")
         targets = (self.targets,) if isinstance(self.targets, str) else self.targets
@@ -71,8 +75,9 @@ class Approx:
             if t not in APPROX_TARGETS:
                 raise ConfigError(f"Approx(targets={self.targets!r}): unknown target {t!r}; expected {list(APPROX_TARGETS)}")
         object.__setattr__(self, "targets", tuple(dict.fromkeys(targets)))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**64:
             raise ConfigError(f"Approx(seed={self.seed!r}): expected an int in [0, 2**64)")
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
@@ -154,8 +159,14 @@ class Config:
 
     def __post_init__(self) -> None:
         parse_memory_limit(self.memory_limit)  # the syntax; TapeSAC resolves percentages on the model's device
+        if not isinstance(self.blocks, (str, list, tuple, nn.Module)) and not (
+                isinstance(self.blocks, type) and issubclass(self.blocks, nn.Module)):
+            raise ConfigError(f"blocks must be an nn.ModuleList, a list of modules, a module class, a class name or a "
+                              f"dotted path with * (e.g. 'model.layers.*'); got {type(self.blocks).__name__}")
         if self.policy is not None:
             parse_policy(self.policy)
+            if isinstance(self.policy, set):  # a Config is hashable like any frozen dataclass (hash() raised)
+                object.__setattr__(self, "policy", frozenset(self.policy))
         for name, choices in (("backend", BACKENDS), ("graph_timing", GRAPH_TIMINGS), ("contract", CONTRACTS),
                               ("preserve", PRESERVE_MODES), ("schedule", SCHEDULES)):
             value = getattr(self, name)

@@ -754,3 +754,23 @@ def test_a_closed_tapesac_refuses_a_limit_and_a_frontier(tapesac) -> None:
     with pytest.raises(tapesac.TapeSACError, match="was closed"):
         sac.frontier()
     assert sac.report().last["step"] == 1
+
+
+def test_config_values_found_by_adversarial_tests(tapesac) -> None:
+    """Approx(fraction=np.float32(0.5)) was refused as not a number (np.float64 was accepted); Config(blocks=3) was
+    accepted and failed only at TapeSAC(...); hash(Config(policy={...})) raised TypeError (a set in a frozen
+    dataclass)."""
+    import numpy as np
+
+    assert tapesac.Approx(fraction=np.float32(0.5)).fraction == 0.5
+    assert tapesac.Approx(fraction=np.float64(0.25), seed=np.int64(3)) == tapesac.Approx(fraction=0.25, seed=3)
+    with pytest.raises(tapesac.ConfigError, match="blocks must be"):
+        tapesac.Config(blocks=3)
+    cfg = tapesac.Config(policy={"aten::mm"})
+    assert hash(cfg) == hash(tapesac.Config(policy={"aten::mm"})) and cfg.policy == frozenset({"aten::mm"})
+    model = stack(2)
+    sac = tapesac.TapeSAC(model, config=tapesac.Config(blocks="blocks.*", policy={"aten::addmm"}))
+    with sac.step():
+        model(x_in()).sum().backward()
+    assert sac.last_step.block_calls == 2
+    sac.close()

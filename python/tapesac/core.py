@@ -425,6 +425,7 @@ class TapeSAC:
         self._hooks.close_open_blocks()
         self._get_timeline()  # report() after close() still shows the last step's timeline
         self._session.shutdown()
+        self._log.close()
         self._closed = True
 
     def __repr__(self) -> str:

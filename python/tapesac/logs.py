@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,14 +37,41 @@ def _open_for_append(what: str, path: str | os.PathLike | None) -> Path | None:
     return p
 
 
+# The files the live StepLogs write, by resolved path: two writers interleave their lines into a file no reader can
+# split (an adversarial test: StepReport.from_jsonl then failed, or mixed the two runs).
+_WRITERS: dict[Path, "weakref.ref[StepLog]"] = {}
+
+
+def _claim(owner: "StepLog", what: str, path: Path | None) -> None:
+    if path is None:
+        return
+    key = path.resolve()
+    other = _WRITERS.get(key)
+    holder = other() if other is not None else None
+    if holder is not None and holder is not owner and not holder.closed:
+        raise ConfigError(f"{what}={str(path)!r} is written by another TapeSAC that is still open; give each TapeSAC its "
+                          f"own file, or close() the other first")
+    _WRITERS[key] = weakref.ref(owner)
+
+
 class StepLog:
     """The step log and the execution records of one TapeSAC."""
 
     def __init__(self, log: str | os.PathLike | None, records: str | os.PathLike | None) -> None:
+        if log is not None and records is not None and Path(log).resolve() == Path(records).resolve():
+            raise ConfigError(f"log and records name the same file ({str(log)!r}): the step log and the execution "
+                              f"records are two JSON-lines files; give records= another path")
+        self.closed = False
         self.log_path = _open_for_append("log", log)
         self.records_path = _open_for_append("records", records)
+        _claim(self, "log", self.log_path)
+        _claim(self, "records", self.records_path)
         self._records: list[dict[str, Any]] | None = []
         self._session: Any = None
+
+    def close(self) -> None:
+        """The files are free for another TapeSAC (the last step's records stay readable)."""
+        self.closed = True
 
     def write_step(self, stats: Any, timeline: Callable[[], dict[str, Any]]) -> None:
         """Appends one step record; `timeline` returns the step's memory timeline (called only when logged)."""

@@ -774,3 +774,22 @@ def test_config_values_found_by_adversarial_tests(tapesac) -> None:
         model(x_in()).sum().backward()
     assert sac.last_step.block_calls == 2
     sac.close()
+
+
+def test_a_log_file_has_one_writer(tapesac, tmp_path) -> None:
+    """An adversarial test: log= and records= naming one file, or two open TapeSACs logging to one file, were
+    accepted, and their interleaved lines made a log StepReport.from_jsonl could not read. Refused at construction;
+    a closed TapeSAC's file may be reused (runs appended one after the other are read as such)."""
+    path = tmp_path / "run.jsonl"
+    with pytest.raises(tapesac.ConfigError, match="same file"):
+        tapesac.TapeSAC(stack(2), blocks="blocks.*", log=path, records=str(path))
+    first = tapesac.TapeSAC(stack(2), blocks="blocks.*", log=path)
+    with pytest.raises(tapesac.ConfigError, match="another TapeSAC that is still open"):
+        tapesac.TapeSAC(stack(2), blocks="blocks.*", records=path)
+    first.close()
+    model = stack(2)
+    second = tapesac.TapeSAC(model, blocks="blocks.*", log=path)
+    with second.step():
+        model(x_in()).sum().backward()
+    second.close()
+    assert tapesac.StepReport.from_jsonl(path).last["step"] == 1

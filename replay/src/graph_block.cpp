@@ -130,6 +130,8 @@ class HandOut {
     if (it == storages_.end()) it = storages_.emplace(key, own_storage(t.storage())).first;
     at::Tensor out = at::empty({0}, t.options());
     out.set_(it->second, t.storage_offset(), t.sizes(), t.strides());
+    out._set_conj(t.is_conj());  // the view's lazy bits travel with it (a saved conj() or its .imag: a neg view)
+    out._set_neg(t.is_neg());
     return out;
   }
 

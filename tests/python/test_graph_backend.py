@@ -460,3 +460,36 @@ def test_a_launch_never_writes_over_a_replayed_tensor_still_in_use(schedule: str
     launched = sum(st.graph_replays for st in sac.history)
     assert launched > 0  # the graph ran: the case is not an eager replay
     sac.close()
+
+
+class _ConjBlock(torch.nn.Module):
+    def __init__(self, neg: bool) -> None:
+        super().__init__()
+        self.neg = neg
+        self.w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat) / 4)
+
+    def forward(self, x):
+        h = x @ self.w
+        if self.neg:  # .imag of a conj() view: a real tensor with the neg bit
+            return torch.view_as_complex(torch.stack([h.real * h.conj().imag, h.imag], -1))
+        return h.conj() * h  # mul saves h.conj(): a conj-bit view of h
+
+
+@pytest.mark.parametrize("neg", [False, True], ids=["conj", "neg"])
+@pytest.mark.parametrize("schedule", ["one_segment", "lazy"])
+def test_a_launch_hands_out_conj_and_neg_views_with_their_bits(neg: bool, schedule: str) -> None:
+    """Found by an adversarial test on Note [Handed-out storages]: the tensors a launch hands out were made over the
+    static bytes without the conj and neg bits of the recorded view, so a saved `h.conj()` read as `h` (the bytes
+    are the same: contract="strict" saw nothing) and gradients were silently wrong from the first launch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_ConjBlock(neg))
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="0", policy="full", schedule=schedule, contract="strict", **GRAPH)
+    for _ in range(3):
+        x = torch.randn(4, 8, dtype=torch.cfloat)
+        with sac.step():
+            model(x).abs().sum().backward()
+        ref(x).abs().sum().backward()
+        assert torch.equal(model[0].w.grad, ref[0].w.grad)
+    assert sac.last_step.graph_replays > 0
+    sac.close()

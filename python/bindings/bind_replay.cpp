@@ -97,13 +97,30 @@ constexpr const char* kSessionCapsule = "tapesac.Session";
 
 Session& session_of(PyObject* self) { return *static_cast<Session*>(PyCapsule_GetPointer(self, kSessionCapsule)); }
 
+// Note [Tensors packed as they are]. A saved tensor of a Python subclass (an nn.Parameter, a __torch_function__ or
+// __torch_dispatch__ subclass) or of another layout than strided (sparse, nested) is handed back to autograd as the
+// object itself: no slot, never dropped, unpacked as plain autograd unpacks it. A slot serves a tensor, and its Python
+// wrapper was a new torch.Tensor: ctx.saved_tensors lost the subclass (a backward that checks it gave other
+// gradients, under policy "none" too), a wrapper subclass without storage (torch's TwoTensor) segfaulted in the
+// backward's kernel, and a sparse saved tensor raised an untyped "Cannot access storage of SparseTensorImpl" at the
+// block's end (adversarial tests). Such tensors are the model's own (a parameter) or carry their own semantics:
+// keeping them costs no activation memory that tapesac could have saved.
+bool packed_as_is(PyObject* obj, const at::Tensor& t) {
+  return !THPVariable_CheckExact(obj) || (t.defined() && (t.layout() != c10::kStrided || t.is_nested()));
+}
+
 PyObject* pack_hook(PyObject* self, PyObject* arg) noexcept {
   if (!THPVariable_Check(arg)) {
     PyErr_Format(PyExc_TypeError, "tapesac: pack expected a tensor, got %s", Py_TYPE(arg)->tp_name);
     return nullptr;
   }
   try {
-    return pack(session_of(self), THPVariable_Unpack(arg));
+    const at::Tensor& t = THPVariable_Unpack(arg);
+    if (packed_as_is(arg, t)) {
+      Py_INCREF(arg);
+      return arg;
+    }
+    return pack(session_of(self), t);
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;

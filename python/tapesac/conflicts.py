@@ -183,9 +183,9 @@ class Conflicts:
             self._step_warned = True
             self._once.warning("hooks", (
                 f"tapesac: block {name} runs inside saved-tensor hooks that are not tapesac's (torch.utils.checkpoint "
-                f"with use_reentrant=False around the block, torch.autograd.graph.save_on_cpu, ...): both would "
-                f"decide what the block saves. Remove that checkpoint or offload around the block and let tapesac "
-                f"choose what to keep (or close the TapeSAC)."))
+                f"with use_reentrant=False around the block, torch.autograd.graph.save_on_cpu, your own "
+                f"saved_tensors_hooks): tapesac leaves such blocks to those hooks (records and drops nothing there). "
+                f"Remove that checkpoint or offload around the block to let tapesac choose what to keep."))
 
     # -- outside steps --------------------------------------------------------------------------------------------
     def _block_ran(self, name: str, module: nn.Module, args: Any, output: Any) -> None:

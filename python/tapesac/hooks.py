@@ -37,6 +37,12 @@ _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _peek_interpreter = torch._C._functorch.peek_interpreter_stack
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+# Note [Hooks of others]. A block whose forward starts under someone else's saved-tensor hooks (the user's
+# saved_tensors_hooks, save_on_cpu, torch.utils.checkpoint with use_reentrant=False around it) runs under them,
+# untouched: only the innermost hooks apply, so tapesac's pushed on top replaced them for the block's tensors —
+# a lossy or counting pair of hooks around the forward silently saw none of them (gradients differed from plain
+# PyTorch under every policy, "none" included: an adversarial test). Counted in aside_calls, warned once (conflicts).
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _grad_enabled = torch.is_grad_enabled
 _thread_id = threading.get_ident
 
@@ -92,7 +98,7 @@ class StepHooks:
                 return None
             if not _grad_enabled() or session.block_open:
                 return None
-            if _functorch_active():  # Note [torch.func]
+            if _functorch_active() or _top_hooks(False) is not None:  # Note [torch.func], Note [Hooks of others]
                 self.aside_calls += 1
                 return None
             if session.begin_block(name):

@@ -5,6 +5,7 @@ closed model. And the library's warnings all go through that logger.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import re
@@ -206,3 +207,41 @@ def test_library_warnings_go_through_the_tapesac_logger(tapesac) -> None:
             if re.search(pattern, text):
                 offenders.append(f"{rel}: {pattern}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_a_users_saved_tensor_hooks_around_the_forward_see_every_saved_tensor(tapesac, caplog, policy: str) -> None:
+    """An adversarial test (Note [Hooks of others], hooks.py): a user's own lossy saved_tensors_hooks around the
+    forward (activations packed as bf16) saw none of the blocks' saved tensors — tapesac's hooks, pushed at each
+    block's entry, replaced them — and the gradients differed from plain PyTorch under every policy. Such blocks are
+    left to the user's hooks now (warned once); the hooks see what they see without tapesac."""
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.to(torch.bfloat16) if t.dtype == torch.float32 else t
+
+    def unpack(t):
+        return t.to(torch.float32) if t.dtype == torch.bfloat16 else t
+
+    def run(model, sac=None):
+        packed.clear()
+        x = x_in().detach().requires_grad_(True)
+        with sac.step() if sac is not None else contextlib.nullcontext():
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                loss = default_loss(model, (x,))
+            loss.backward()
+        return [p.grad for p in model.parameters()], list(packed)
+
+    model = stack(3)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    want, want_packed = run(ref)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    torch.manual_seed(1)
+    with caplog.at_level("WARNING", logger="tapesac"):
+        got, got_packed = run(model, sac)
+    assert got_packed == want_packed
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(_warnings(caplog, "not tapesac's")) == 1, caplog.text
+    sac.close()

@@ -402,6 +402,7 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
       if (!kept) {
         dropped_storages.emplace_back(key, storage_bytes(s.tensor));
         dropped_slots.push_back(&s);
+        if (ctx_.watcher) ctx_.watcher->keep_if_written(s.tensor);  // Note [A dropped value on a live storage]
       }
     }
     if (handles_[static_cast<size_t>(s.value)]++ == 0) {

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <optional>
 
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/empty.h>
+
 #include "tapesac/capture/op_kinds.h"
 #include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/clock.h"
@@ -31,6 +34,7 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   if (round_ == 0 && storage_alive(s)) alive_at_unpack_.insert(v);  // Note [dropped values alive elsewhere]
   at::Tensor alive = still_alive(s);  // Note [a dropped tensor still alive]
   if (!alive.defined()) alive = replaced_data(s);  // Note [Saved as itself]
+  if (!alive.defined()) alive = on_live_storage(s);  // Note [A dropped value on a live storage]
   if (alive.defined()) {
     slots_[static_cast<size_t>(slot)].last_round = round_;
     --remaining_[static_cast<size_t>(v)];
@@ -81,6 +85,30 @@ at::Tensor BlockCall::still_alive(const Slot& s) const {
     return {};
   }
   return capture::detached_alias(t);
+}
+
+// Note [A dropped value on a live storage]. A dropped saved tensor whose TensorImpl is gone but whose storage
+// still holds the allocation it had at the drop is served from that storage with the forward's view (sizes,
+// strides, offset, dtype), not replayed. Autograd's saved tensor is that storage, so a write to it that moves no
+// version (`h.data[0] = 0.25` at the next block's start, a pre-hook's `args[0].data.mul_(2)`, a hook's write to
+// an activation it captured, `untyped_storage().fill_`) is what a run without tapesac reads; a replay rebuilt the
+// bytes from before it (silently wrong gradients under every contract, strict too: its checksum was taken before
+// the write; adversarial tests). The storage is alive because something holds it (the next block keeps its input,
+// the user a view), or because the write watcher saw a write to it while it was alive and kept it from then on
+// (WriteWatcher::keep_if_written: plain autograd's saved tensor would have kept it too). A write that moved the
+// version was refused by the contract above. Serving costs no replay.
+at::Tensor BlockCall::on_live_storage(const Slot& s) const {
+  if (s.value < 0 || s.storage == nullptr) return {};
+  c10::intrusive_ptr<c10::StorageImpl> impl = s.storage_weak.lock();
+  if (!impl || impl->data() != s.storage_data || impl->nbytes() != s.storage_nbytes) return {};
+  const capture::TensorMeta& m = recorder_.tape().value(s.value).meta;
+  const c10::Device device = impl->device();
+  if (device.type() != c10::DeviceType::CPU && device.type() != c10::DeviceType::CUDA) return {};
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  at::Tensor t = at::empty({0}, at::TensorOptions().dtype(static_cast<c10::ScalarType>(m.dtype)).device(device));
+  t.set_(c10::Storage(std::move(impl)), m.storage_offset, c10::IntArrayRef(m.sizes.data(), m.sizes.size()),
+         c10::IntArrayRef(m.strides.data(), m.strides.size()));
+  return t;
 }
 
 bool BlockCall::storage_alive(const Slot& s) const {

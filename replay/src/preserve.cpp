@@ -184,6 +184,14 @@ void WriteWatcher::end() noexcept {
   if (t_watcher == this) t_watcher = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   entries_.clear();
+  dropped_.clear();
+  written_dropped_.clear();
+}
+
+void WriteWatcher::keep_if_written(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  dropped_.emplace(capture::storage_key(t), t.storage().getWeakStorageImpl());
 }
 
 std::unique_ptr<at::ObserverContext> WriteWatcher::on_enter(const at::RecordFunction& fn) {
@@ -235,7 +243,7 @@ bool WriteWatcher::operator_call(const at::RecordFunction& fn) {
 void WriteWatcher::see(const char* name, c10::ArrayRef<c10::IValue> inputs,
                        const std::function<std::optional<c10::OperatorName>()>& operator_name) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (entries_.empty()) return;
+  if (entries_.empty() && dropped_.empty()) return;
   auto it = writes_by_name_.find(name);
   if (it == writes_by_name_.end()) {
     std::vector<bool> writes;
@@ -250,7 +258,12 @@ void WriteWatcher::see(const char* name, c10::ArrayRef<c10::IValue> inputs,
     if (!writes[a]) continue;
     auto visit = [&](const at::Tensor& t) {
       if (!t.defined() || !t.has_storage()) return;
-      auto e = entries_.find(capture::storage_key(t));
+      const void* key = capture::storage_key(t);
+      if (auto d = dropped_.find(key); d != dropped_.end()) {  // keep_if_written()
+        if (c10::intrusive_ptr<c10::StorageImpl> impl = d->second.lock()) written_dropped_.emplace_back(std::move(impl));
+        dropped_.erase(d);
+      }
+      auto e = entries_.find(key);
       if (e != entries_.end()) save(*e->second, name, inputs, a, t);
     };
     const c10::IValue& v = inputs[a];

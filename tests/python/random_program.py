@@ -405,7 +405,7 @@ class Program:
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
                 ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
-                ._with_data_replacements())
+                ._with_data_replacements()._with_entry_writes())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -509,6 +509,20 @@ class Program:
             return self
         return dataclasses.replace(self, data_writes=tuple(dataclasses.replace(w, replace=True)
                                                            for w in self.data_writes))
+
+    def _with_entry_writes(self) -> "Program":
+        """A `.data` write to a block's input at its entry — the previous block's output, which that block may have
+        saved and tapesac dropped — with no reference to it kept afterwards (from its own RNG). Autograd's saved
+        tensor is that storage: its backward reads the written bytes (Note [A dropped value on a live storage],
+        replay/src/block_call_replay.cpp; adversarial tests: a pre-hook's `args[0].data.mul_(2)`)."""
+        rng = random.Random(f"entry-write-{self.seed}")
+        if self.data_writes or len(self.blocks) < 2 or rng.random() >= 0.12:
+            return self
+        write = DataWrite(where="entry", block=rng.randrange(1, len(self.blocks)), target="input",
+                          factor=rng.choice([0.5, 1.5, -1.0]))
+        # contract="off" watches no write: such a write is then silently wrong by design (README).
+        return dataclasses.replace(self, data_writes=(write,),
+                                   contract="check" if self.contract == "off" else self.contract)
 
     def warmup_steps(self) -> int:
         """Steps run (and undone) before the compared one: 'planned' plans its schedules after a step, and the
@@ -839,7 +853,11 @@ class ProgramModel(nn.Module):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.program.autocast):
             h = self.stem(x) if self.stem is not None else x
             for i, blk in enumerate(self.blocks):
-                self.block_inputs.setdefault(i, h)
+                entry = [w for w in self.program.data_writes if w.where == "entry" and w.block == i]
+                for w in entry:  # Program._with_entry_writes: no reference to h is kept
+                    h.data.mul_(w.factor)
+                if not entry:
+                    self.block_inputs.setdefault(i, h)
                 h = self._call(blk, h)
                 self._after_block(i, h)
             if self.program.repeat_first:

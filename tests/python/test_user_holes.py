@@ -638,6 +638,51 @@ def test_saved_tensors_of_subclasses_and_other_layouts_are_packed_as_they_are(ki
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
 
 
+class _TanhOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.l2(torch.relu(self.l1(x * 2))))  # tanh saves its output: the block's output
+
+
+@pytest.mark.parametrize("backend", ["eager", "emulated_graph"])
+@pytest.mark.parametrize("contract", ["check", "strict"])
+@pytest.mark.parametrize("how", ["pre_hook", "next_block", "captured_then_dropped"])
+def test_a_write_to_a_dropped_block_output_after_its_block_reaches_the_gradient(how: str, contract: str,
+                                                                                backend: str) -> None:
+    """Adversarial tests (Note [A dropped value on a live storage], replay/src/block_call_replay.cpp): block 0's
+    output, saved by its tanh and dropped, written without a version move after block 0 — by a forward pre-hook of
+    block 1 (`args[0].data.mul_(2)`, or on a view: `args[0].data[0] = 0.25`), or by block 0's forward hook (its
+    output's `.data.mul_`) — and no reference to it kept: plain autograd's saved tensor is that storage and reads
+    the written bytes, a replay rebuilt them from before the write (silently, strict too). The write watcher now keeps
+    a dropped storage written while alive, and the unpack serves it."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([_TanhOut(), _TanhOut()])
+    if how == "pre_hook":
+        model.blocks[1].register_forward_pre_hook(lambda mod, args: (args[0].data.mul_(2), None)[1])
+    elif how == "next_block":
+        model.blocks[1].register_forward_pre_hook(lambda mod, args: (args[0].data[0].fill_(0.25), None)[1])
+    else:
+        model.blocks[0].register_forward_hook(lambda mod, args, out: (out.data.mul_(-1.5), None)[1])
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    ref(x).pow(2).sum().backward()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full", contract=contract, backend=backend)
+    try:
+        for _ in range(3):  # the graph captures on a later step
+            model.zero_grad(set_to_none=True)
+            with sac.step():
+                model(x).pow(2).sum().backward()
+            assert not _same_grads(model, ref)
+    finally:
+        sac.close()
+
+
 # ======================================================================================================================
 # 3. Other threads while a step is open
 # ======================================================================================================================

@@ -187,6 +187,7 @@ class BlockCall : public capture::RecorderListener,
   at::Tensor serve_kept(int32_t slot);
   at::Tensor still_alive(const Slot& s) const;
   at::Tensor replaced_data(const Slot& s) const;
+  at::Tensor on_live_storage(const Slot& s) const;
   /// Whether a dropped slot's storage still holds the allocation it had at the drop (held by something else).
   bool storage_alive(const Slot& s) const;
   void replay_for(ValueId wanted);

@@ -142,6 +142,12 @@ class WriteWatcher : private capture::CallObserver {
   std::vector<PreservedStorage> stats() const;
   int64_t held_bytes() const;
 
+  /// `t` is a saved tensor a block call dropped (Note [A dropped value on a live storage], block_call_replay.cpp):
+  /// at the first write the watcher sees to its storage while that storage is still alive (a `.data` write to the
+  /// block's output by the next block, a hook, the user), the watcher keeps the storage until end(), so that the
+  /// unpack serves the written bytes, which autograd's saved tensor would read, instead of replaying older ones.
+  void keep_if_written(const at::Tensor& t);
+
  private:
   struct Entry;
   static std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn);
@@ -165,6 +171,8 @@ class WriteWatcher : private capture::CallObserver {
   mutable std::mutex mu_;
   std::recursive_mutex swap_mu_;
   std::unordered_map<const void*, std::unique_ptr<Entry>> entries_;
+  std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> dropped_;  // keep_if_written()
+  std::vector<c10::Storage> written_dropped_;  // dropped storages written while alive: held until end()
   std::unordered_map<const char*, std::vector<bool>> writes_by_name_;
   std::unordered_set<const char*> operator_names_;  // see operator_call()
   at::CallbackHandle callback_ = 0;

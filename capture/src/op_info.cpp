@@ -89,10 +89,23 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
                     // built from it are kept. (An `empty` whose bytes a recorded op then writes replays fine.)
                     ns_name == "aten::lift_fresh" || ns_name == "aten::lift_fresh_copy" || ns_name == "aten::lift";
   const auto& args = schema.arguments();
+  // An op given a Storage (set_.source_Storage: what `t.untyped_storage().copy_(...)`, `.fill_()` and
+  // `Tensor.set_(storage)` dispatch) would rebind, at a replay, to the forward's storage held in its payload, not to
+  // the replay's rebuilt tensor: the write it enables landed in the forward's bytes, and a later reader of the
+  // written value was replayed from the bytes before the write (silently wrong under "check": an adversarial test).
+  // Not replayable: what depends on it is kept.
+  for (const c10::Argument& a : args) {
+    if (a.type()->kind() == c10::TypeKind::StorageType) info->effectful = true;
+  }
+  // Every set_ rebinds its tensor to another storage and writes no byte of the one it had, although its schema marks
+  // self as written: recorded as a write, `a.data.set_(b)` (which leaves `a` as it was) made a later reader of `a`
+  // replay from b's bytes (an adversarial test). Not a write, and not replayable (what depends on it is kept).
+  const bool rebinds = ns_name == "aten::set_";
+  if (rebinds) info->effectful = true;
   info->writes_arg.resize(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {
     const auto* alias = args[i].alias_info();
-    info->writes_arg[i] = alias != nullptr && alias->isWrite();
+    info->writes_arg[i] = alias != nullptr && alias->isWrite() && !rebinds;
     const std::string& n = args[i].name();
     // native_batch_norm and the cudnn/miopen variants update their running statistics in place without an
     // alias annotation in the schema: treat them as written, so that replay never applies the update twice.

@@ -442,6 +442,16 @@ void Recorder::link_value(ValueId v, StorageId s) {
 
 ValueId Recorder::value_for_input(const at::Tensor& t) {
   const ValueId v = lookup(t);
+  // Note [A storage replaced inside the block]: `a.data = other` (or `a.data.set_(...)`) gives a's TensorImpl another
+  // storage through no operator call: the impl still maps to the value the tape made, and a later reader was
+  // replayed from that value's producer, not from the new data (silently wrong under "check": adversarial tests and
+  // random programs). Such a block call is not recorded further: it keeps its tensors, and says why.
+  if (v >= 0 && t.has_storage() && id_.impl_value.find(t.unsafeGetTensorImpl()) == v &&
+      id_.storage_id.find(storage_key(t)) != tape_.value(v).storage) {
+    throw std::runtime_error(
+        "an input's storage was replaced inside the block (`t.data = ...` or `t.data.set_(...)`), which no operator "
+        "call shows; the block keeps its tensors. Assign a new tensor (`t = t * 2`) instead of its .data");
+  }
   if (v >= 0) return v;
   // Not produced on this tape (block input, parameter, buffer, captured tensor), or a view of a tape storage made
   // where the recorder cannot see: held live, never replayed.

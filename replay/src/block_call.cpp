@@ -85,6 +85,7 @@ int32_t BlockCall::pack(const at::Tensor& t, bool as_itself) {
   Slot s;
   s.tensor = capture::detached_alias(t);
   s.as_itself = as_itself;
+  if (as_itself && t.defined()) s.held_origin = t.getIntrusivePtr();
   if (t.defined()) s.origin = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
   if (t.defined() && !t.is_inference()) {
     s.version = t.unsafeGetTensorImpl()->version_counter();
@@ -221,6 +222,7 @@ void BlockCall::close_forward() {
   if (forward_closed_) return;
   forward_closed_ = true;
   resolve_pending(true);
+  keep_rebound();
   take_recording();
   KeepDecision d = decide();
   observe(d);
@@ -233,6 +235,21 @@ void BlockCall::close_forward() {
     ctx_.memory->add_span(TimelineSpan{"forward", name_, forward_begin_ns_, ctx_.memory->elapsed_ns(), ctx_.plan_key});
   }
   if (alive_slots_ == 0) release_all();
+}
+
+// Note [Rebound inside the block]. A tensor autograd saves as itself (Note [Saved as itself]) and the block then
+// rebinds to another storage (`t.data = t.data * 2`, `t.data.set_(...)` on it) is read by its backward with the new
+// data; the tape's value is the old bytes, which a replay rebuilds (random programs with such a write: every
+// gradient off, silently). The saved tensor is held from its pack until the forward closes (no memory: the slot's
+// alias holds its storage anyway); one whose storage changed meanwhile is kept as its new data, opaque to the tape.
+void BlockCall::keep_rebound() {
+  for (Slot& s : slots_) {
+    c10::intrusive_ptr<c10::TensorImpl> impl = std::move(s.held_origin);
+    if (!impl || !impl->has_storage() || !s.tensor.defined() || !s.tensor.has_storage()) continue;
+    if (impl->storage().unsafeGetStorageImpl() == s.tensor.storage().unsafeGetStorageImpl()) continue;
+    s.tensor = capture::detached_alias(at::Tensor(std::move(impl)));
+    s.value = -1;  // opaque: kept as it is now
+  }
 }
 
 void BlockCall::take_recording() {

@@ -495,7 +495,9 @@ class Program:
         i = rng.randrange(len(blocks))
         first = 1 if blocks[i][0].kind == "input_inplace" else 0
         at = rng.randint(first + 3, len(blocks[i]))  # after the first linear and tanh (and a third op)
-        blocks[i].insert(at, OpSpec("data_write_saved", j=rng.randint(first + 1, at),
+        # k: how — 0 `.data.mul_`, 1 `.data = .data * p` (a new storage), 2 `untyped_storage().copy_` (dispatched
+        # as set_ on a Storage, then copy_), 3 `.data.set_(another value's .data)` (leaves the value as it was).
+        blocks[i].insert(at, OpSpec("data_write_saved", j=rng.randint(first + 1, at), k=rng.choice([0, 0, 1, 2, 3]),
                                     p=rng.choice([0.5, 1.5, -1.0])))
         return dataclasses.replace(self, blocks=tuple(tuple(ops) for ops in blocks))
 
@@ -626,7 +628,18 @@ class RandomBlock(nn.Module):
 def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool: list[torch.Tensor]) -> torch.Tensor:
     kind = op.kind
     if kind == "data_write_saved":  # Program._with_saved_data_writes: the block's own intermediate, no version move
-        pool[op.j % len(pool)].data.mul_(op.p)
+        t = pool[op.j % len(pool)]
+        if op.k == 1:
+            t.data = t.data * op.p
+        elif op.k == 2:
+            t.untyped_storage().copy_((t.detach() * op.p).contiguous().untyped_storage()) if t.is_contiguous() \
+                and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes else t.data.mul_(op.p)
+        elif op.k == 3:
+            src = pool[max(0, op.j - 1)]
+            if src.dtype == t.dtype:  # set_ refuses another dtype (autocast mixes bf16 and fp32)
+                t.data.set_(src.data)
+        else:
+            t.data.mul_(op.p)
         return h
     base = _base(kind)
     p = pool[op.j % len(pool)]
@@ -1090,7 +1103,10 @@ def random_op_set(model: nn.Module, program: Program) -> frozenset[str]:
     state = copy.deepcopy(model.state_dict())  # record_ops runs the forward: BatchNorm stats move
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RUN_SEED)
-        names = sorted(set(tapesac.record_ops(model, make_input(program))))
+        try:
+            names = sorted(set(tapesac.record_ops(model, make_input(program))))
+        except tapesac.CaptureError:  # a `.data = ...` inside a block (data_write_saved): recording stops there
+            names = ["aten::addmm", "aten::linear", "aten::tanh"]  # every block starts with linear, tanh
     model.load_state_dict(state)
     model.zero_grad(set_to_none=True)
     rng = random.Random(program.op_set_seed)

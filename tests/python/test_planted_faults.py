@@ -273,7 +273,26 @@ def test_fault_table_counts() -> None:
     assert outcomes.count("match") == 2
 
 
-@pytest.mark.parametrize("plant", [_write_through_data, _set_then_write], ids=["data_write", "set_then_write"])
+def test_off_replays_exactly_after_set_then_a_write_to_the_new_storage() -> None:
+    """set_ rebinds the weight to a new storage and writes no byte of the forward's (an adversarial test: it was
+    recorded and watched as a write to the old storage). The replay reads the forward's storage, which nothing wrote:
+    exact under preserve="off" too, where it used to be rejected as a write "off" could not undo."""
+    m = Net()
+    x = torch.randn(4, D)
+    ref_loss, ref_grads = _reference(m, x, seed=7)
+    sac = tapesac.TapeSAC(m, blocks=m.layers, policy="full", preserve="off")
+    torch.manual_seed(7)
+    with sac.step():
+        loss = m(x.clone()).square().mean()
+        _set_then_write(m, x, loss)
+        loss.backward()
+    assert sac.last_step.ops_replayed > 0 and torch.equal(loss.detach(), ref_loss)
+    for g, r in zip((p.grad for p in m.parameters()), ref_grads):
+        assert torch.equal(g, r)
+    sac.close()
+
+
+@pytest.mark.parametrize("plant", [_write_through_data], ids=["data_write"])
 def test_off_rejects_writes_that_move_no_version(plant) -> None:
     """Found by an adversarial test: under preserve="off" a write that moves no version counter (through `.data`, an
     alias made by set_, untyped_storage().copy_) reached the replay silently — wrong gradients, records saying

@@ -683,6 +683,53 @@ def test_a_write_to_a_dropped_block_output_after_its_block_reaches_the_gradient(
         sac.close()
 
 
+class _RebindsInside(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = self.l1(x)
+        b = torch.tanh(a)
+        if self.how == "storage_copy":
+            a.untyped_storage().copy_((a.detach() * 2).untyped_storage())
+        elif self.how == "storage_fill":
+            a.untyped_storage().fill_(1)
+        elif self.how == "data_assign":
+            a.data = a.data * 2
+        else:
+            a.data.set_(b.data)  # rebinds the .data alias only: `a` is unchanged
+        return x + self.l2(b * torch.sigmoid(a))
+
+
+@pytest.mark.parametrize("policy", ["full", "op_set"])
+@pytest.mark.parametrize("how", ["storage_copy", "storage_fill", "data_assign", "data_set"])
+def test_storage_writes_and_rebinds_inside_a_block_reach_the_gradient(how: str, policy: str) -> None:
+    """Adversarial tests: inside a block, `a.untyped_storage().copy_/fill_` (dispatched as set_ on a Storage, then a
+    write: a replay rebound to the forward's storage), `a.data = ...` (a's TensorImpl given a new storage by no
+    operator call) and `a.data.set_(b.data)` (recorded as a write of a's bytes though it rebinds only the alias) made
+    a later reader of `a` replay from the wrong bytes, silently under "check". Ops given a Storage and every set_ are
+    not replayable now, set_ writes no bytes, and a rebound input stops the block's recording (Note [A storage
+    replaced inside the block], capture/src/recorder.cpp)."""
+    import tapesac
+
+    torch.manual_seed(0)
+    model = M.Stack([_RebindsInside(how), _RebindsInside(how)])
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    ref(x).pow(2).sum().backward()
+    pol = {"full": "full", "op_set": {"aten::tanh"}}[policy]
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=pol)
+    try:
+        with sac.step():
+            model(x).pow(2).sum().backward()
+    finally:
+        sac.close()
+    assert not _same_grads(model, ref)
+
+
 # ======================================================================================================================
 # 3. Other threads while a step is open
 # ======================================================================================================================

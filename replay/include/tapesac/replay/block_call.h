@@ -147,6 +147,8 @@ class BlockCall : public capture::RecorderListener,
     // forward (`.data = ...`, set_) is what the unpack serves (Note [Saved as itself], block_call_replay.cpp).
     c10::weak_intrusive_ptr<c10::TensorImpl> origin{c10::intrusive_ptr<c10::TensorImpl>()};
     bool as_itself = false;
+    // as_itself: the saved tensor, held until the forward closes (Note [Rebound inside the block]).
+    c10::intrusive_ptr<c10::TensorImpl> held_origin;
     // Dropped: the storage the saved tensor had, its data pointer and size then (see Note [a dropped tensor still
     // alive], block_call_replay.cpp).
     const void* storage = nullptr;
@@ -157,6 +159,7 @@ class BlockCall : public capture::RecorderListener,
   };
 
   // close_forward(), in order.
+  void keep_rebound();
   void take_recording();
   /// decide_keep() for this call, or the memo's decision when its key matches (Note [Decisions reused]); sets memo_.
   KeepDecision decide();

@@ -405,7 +405,7 @@ class Program:
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
                 ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
-                ._with_data_replacements()._with_entry_writes())
+                ._with_entry_writes()._with_data_replacements())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -507,10 +507,14 @@ class Program:
         tensor itself, so a backward without tapesac reads the new data (Note [Saved as itself],
         replay/src/block_call_replay.cpp; an independent fuzzer: other gradients under every policy before)."""
         rng = random.Random(f"data-replace-{self.seed}")
-        if not self.data_writes or rng.random() >= 0.4:
+        if self.data_writes or rng.random() >= 0.08:  # a program of its own: the others' writes stay as they were
             return self
-        return dataclasses.replace(self, data_writes=tuple(dataclasses.replace(w, replace=True)
-                                                           for w in self.data_writes))
+        two_pass = self.step in TWO_PASS_SHAPES
+        where = "between" if two_pass and rng.random() < 0.5 else rng.choice(["forward", "backward"])
+        write = DataWrite(where=where, block=rng.randrange(len(self.blocks)), target=rng.choice(["weight", "input"]),
+                          factor=rng.choice([0.5, 1.5, -1.0]), replace=True)
+        return dataclasses.replace(self, data_writes=(write,),
+                                   contract="check" if self.contract == "off" else self.contract)
 
     def _with_entry_writes(self) -> "Program":
         """A `.data` write to a block's input at its entry — the previous block's output, which that block may have

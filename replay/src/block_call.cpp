@@ -218,11 +218,14 @@ void BlockCall::release_all() noexcept {
 
 void BlockCall::close_forward() {
   recorder_.stop();
+  // Released after the lock: the last reference to a saved tensor can free autograd nodes whose saved slots call
+  // release(), which takes the lock (a deadlock in test_hf_zoo's Qwen3-Next, found by the fresh-clone CI).
+  std::vector<c10::intrusive_ptr<c10::TensorImpl>> origins;
   std::lock_guard<std::mutex> lock(mu_);
   if (forward_closed_) return;
   forward_closed_ = true;
   resolve_pending(true);
-  keep_rebound();
+  keep_rebound(origins);
   take_recording();
   KeepDecision d = decide();
   observe(d);
@@ -242,12 +245,14 @@ void BlockCall::close_forward() {
 // data; the tape's value is the old bytes, which a replay rebuilds (random programs with such a write: every
 // gradient off, silently). The saved tensor is held from its pack until the forward closes (no memory: the slot's
 // alias holds its storage anyway); one whose storage changed meanwhile is kept as its new data, opaque to the tape.
-void BlockCall::keep_rebound() {
+void BlockCall::keep_rebound(std::vector<c10::intrusive_ptr<c10::TensorImpl>>& origins) {
   for (Slot& s : slots_) {
-    c10::intrusive_ptr<c10::TensorImpl> impl = std::move(s.held_origin);
-    if (!impl || !impl->has_storage() || !s.tensor.defined() || !s.tensor.has_storage()) continue;
+    if (!s.held_origin) continue;
+    origins.push_back(std::move(s.held_origin));
+    const c10::intrusive_ptr<c10::TensorImpl>& impl = origins.back();
+    if (!impl->has_storage() || !s.tensor.defined() || !s.tensor.has_storage()) continue;
     if (impl->storage().unsafeGetStorageImpl() == s.tensor.storage().unsafeGetStorageImpl()) continue;
-    s.tensor = capture::detached_alias(at::Tensor(std::move(impl)));
+    s.tensor = capture::detached_alias(at::Tensor(impl));
     s.value = -1;  // opaque: kept as it is now
   }
 }
@@ -473,7 +478,11 @@ void BlockCall::trim_live(const std::vector<Read>& targets) {
 
 void BlockCall::close_step() noexcept {
   recorder_.stop();
+  std::vector<c10::intrusive_ptr<c10::TensorImpl>> origins;  // a forward that never closed: released after the lock
   std::lock_guard<std::mutex> lock(mu_);
+  for (Slot& s : slots_) {
+    if (s.held_origin) origins.push_back(std::move(s.held_origin));
+  }
   closed_stats_.replays = replays_;
   closed_stats_.ops_replayed = replay_stats_.ops;
   closed_stats_.replay_ns = replay_stats_.ns;

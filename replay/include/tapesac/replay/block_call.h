@@ -159,7 +159,7 @@ class BlockCall : public capture::RecorderListener,
   };
 
   // close_forward(), in order.
-  void keep_rebound();
+  void keep_rebound(std::vector<c10::intrusive_ptr<c10::TensorImpl>>& origins);
   void take_recording();
   /// decide_keep() for this call, or the memo's decision when its key matches (Note [Decisions reused]); sets memo_.
   KeepDecision decide();

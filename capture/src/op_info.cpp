@@ -116,6 +116,9 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
   }
   info->uninitialized = leaves_bytes_unset(ns_name);
   info->grad_mode_kernel = kernel_reads_grad_mode(ns_name);
+  info->forward_ad = ns_name == "aten::_fw_primal" || ns_name == "aten::_make_dual" ||
+                     ns_name == "aten::_unpack_dual" || ns_name == "aten::_fw_primal_copy" ||
+                     ns_name == "aten::_make_dual_copy";
   info->fill = ns_name == "aten::fill_";
   info->bytes_unread_arg.resize(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {

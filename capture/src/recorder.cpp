@@ -621,6 +621,14 @@ void Recorder::enter(const CallView& call) noexcept {
   call_stack_.back() = 1;
   Frame& f = open_.back();
   try {
+    // Note [Forward-mode AD in a block]: with dual tensors (torch.autograd.forward_ad) autograd calls _fw_primal and
+    // friends inside the block; a replay of them hit PyTorch's internal assert (an untyped RuntimeError in the
+    // backward) and the strict checksums read tangent-only tensors (a segfault: adversarial tests). Such a block call
+    // is not recorded: it keeps its tensors, as policy "none" (exact), and says why.
+    if (info->forward_ad) {
+      throw std::runtime_error("forward-mode AD (dual tensors, torch.autograd.forward_ad) runs inside the block, "
+                               "which tapesac does not record");
+    }
     f.info = info;
     f.composite = composite_;
     f.has_tensor_args = has_tensor_args_;

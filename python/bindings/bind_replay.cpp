@@ -127,10 +127,11 @@ PyObject* pack_hook(PyObject* self, PyObject* arg) noexcept {
   }
 }
 
-PyObject* unpack_hook(PyObject* /*self*/, PyObject* arg) noexcept {
+PyObject* unpack_hook(PyObject* self, PyObject* arg) noexcept {
   try {
     return THPVariable_Wrap(unpack(arg));
   } catch (...) {
+    session_of(self).note_backward_error();  // the step's backward failed (Session::backward_failed)
     set_python_error(std::current_exception());
     return nullptr;
   }
@@ -162,6 +163,7 @@ void bind_session_step(py::class_<Session>& c) {
           py::arg("name"), "Opens a block call and starts recording; False when a block is already open (nested).")
       .def("end_block", &Session::end_block)
       .def_property_readonly("block_open", [](const Session& s) { return s.current_block() != nullptr; })
+      .def_property_readonly("backward_failed", &Session::backward_failed)
       .def("current_op_names",
            [](const Session& s) {
              auto b = s.current_block();

@@ -74,8 +74,12 @@ class Attachment:
 
     def _starter(self, name: str) -> Any:
         def start(module: nn.Module, args: Any) -> None:
-            if self._step is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            if not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return None
+            if self._step is not None:
+                if not self._sac._session.backward_failed:
+                    return None
+                self._end_failed()  # the last backward raised in tapesac (the loop skipped that batch): start afresh
             if self._sac.in_step:
                 return None  # a `with sac.step():` block is open: it owns this forward
             step = self._sac.step()
@@ -89,19 +93,29 @@ class Attachment:
         return start
 
     def end_step(self) -> None:
-        """Ends the open step (nothing when none is open); a step's error (e.g. MemoryLimitError) is raised here."""
+        """Ends the open step (nothing when none is open); a step's error (e.g. MemoryLimitError) is raised here. A
+        step whose backward already raised in tapesac ends as failed, raising nothing again."""
+        if self._step is not None and self._sac._session.backward_failed:
+            self._end_failed()
+            return
         step, self._step = self._step, None
         if step is not None:
             step.__exit__(None, None, None)
 
+    def _end_failed(self) -> None:
+        """Ends the open step as failed, as when an exception leaves ``with sac.step():`` (its statistics are not
+        collected, nothing is raised). Found by an adversarial test: after a MemoryLimitError in an attached step's
+        backward, a loop that skipped the batch merged the next one into the failed step, whose optimizer.step()
+        raised the error again, and sac.memory_limit could not be set."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.__exit__(TapeSACError, TapeSACError("the step's backward failed"), None)
+
     def abandon(self) -> None:
         """Detaches after a failure: an open step ends as failed (as when an exception leaves ``with sac.step():``;
         its statistics are not collected, nothing is raised) and the hooks are removed."""
-        step, self._step = self._step, None
         try:
-            if step is not None:
-                err = TapeSACError("the training loop stopped with this step open")
-                step.__exit__(TapeSACError, err, None)
+            self._end_failed()
         finally:
             self.detach()
 

@@ -47,7 +47,9 @@ HISTORY_BLOCK_STEPS = 16
 
 # Thread ident -> the TapeSAC whose step is open on it. Not a threading.local: a step exited on another thread than
 # the one it was entered on cleared that thread's marker and left the entering thread unable to step, for good.
-_active_steps: dict[int, "TapeSAC"] = {}
+# Weak: a TapeSAC dropped with a step open (an attached step whose backward raised) must stay collectable, else every
+# later TapeSAC on the thread was refused as nesting (an adversarial test).
+_active_steps: "weakref.WeakValueDictionary[int, TapeSAC]" = weakref.WeakValueDictionary()
 
 
 
@@ -388,6 +390,8 @@ class TapeSAC:
 
     @memory_limit.setter
     def memory_limit(self, value: Any) -> None:
+        if self._in_step and self._attachment is not None and self._session.backward_failed:
+            self._attachment._end_failed()  # an attached step whose backward raised: ended, as at the next forward
         if self._in_step or self._closed:  # refused half-way, the runtime still enforced it (adversarial tests)
             raise TapeSACError("sac.memory_limit can be set only between steps (after the step's `with` block)"
                                if not self._closed else "sac.memory_limit set on a closed TapeSAC; make a new one")

@@ -93,7 +93,9 @@ class StepHooks:
     def _pre_hook(self, name: str) -> Callable[..., None]:
         session = self._session
 
-        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
+            # kwargs optional: a call whose hooks torch gathered before this step re-installed them runs this
+            # hook as a plain one (sac.attach ending a failed step in the same forward pre-hooks)
             if _thread_id() != self._thread:  # Note [other threads]
                 return None
             if not _grad_enabled() or session.block_open:

@@ -14,6 +14,7 @@ import gc
 import pytest
 import torch
 
+import models as M
 from models import stack, x_in
 from conftest import assert_same_grads, assert_same_params, default_loss
 
@@ -218,3 +219,49 @@ def test_a_copy_of_the_model_made_inside_a_step_or_while_attached_is_plain(tapes
     default_loss(ref, (x,)).backward()
     assert_same_grads(model, ref)
     sac.close()
+
+
+def test_an_attached_step_whose_backward_raised_ends_at_the_next_forward(tapesac) -> None:
+    """An adversarial test: with sac.attach(optimizer), a MemoryLimitError in a batch's backward (the loop skips that
+    batch) left the step open: the next batch was merged into it and its optimizer.step() raised the error again,
+    sac.memory_limit could not be set ("only between steps"), and once the TapeSAC was dropped every new one on the
+    thread was refused as a nested step. The failed step now ends at the next block forward (or optimizer.step(), or
+    when the limit is set), and a dropped TapeSAC does not block the thread."""
+    torch.manual_seed(0)
+    small, big = x_in()[:1].detach(), torch.randn(8, M.T, M.D)
+    model = stack(2)
+    probe = tapesac.TapeSAC(copy.deepcopy(model), blocks="blocks.*", policy="full")
+    with probe.step():
+        probe_model = probe._model
+        probe_model(small).sum().backward()
+    limit = probe.last_step.memory.peak_bytes + 4096  # fits the small batch, not the big one
+    probe.close()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full", memory_limit=limit)
+    sac.attach(opt)
+    for x in (small, big, small):
+        try:
+            model(x).sum().backward()
+        except tapesac.MemoryLimitError:
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+        ref(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    try:
+        model(big).sum().backward()
+    except tapesac.MemoryLimitError:
+        pass
+    sac.memory_limit = None  # was refused: the failed step is ended first
+    del sac, opt, model
+    gc.collect()
+    fresh_model = stack(2)
+    fresh = tapesac.TapeSAC(fresh_model, blocks="blocks.*")
+    with fresh.step():  # was refused: "a step of another TapeSAC is open on this thread"
+        fresh_model(small).sum().backward()
+    fresh.close()

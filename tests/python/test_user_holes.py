@@ -730,6 +730,49 @@ def test_storage_writes_and_rebinds_inside_a_block_reach_the_gradient(how: str, 
     assert not _same_grads(model, ref)
 
 
+class _DualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        t = torch.tanh(self.l1(x))
+        return x + self.l2(t) * t.sigmoid()
+
+
+@pytest.mark.parametrize("contract", ["check", "strict", "off"])
+def test_forward_mode_ad_through_a_block_is_kept_and_exact(contract: str) -> None:
+    """Adversarial tests (Note [Forward-mode AD in a block], capture/src/recorder.cpp): dual tensors through a block
+    recorded autograd's _fw_primal, whose replay hit PyTorch's internal assert (an untyped RuntimeError in the
+    backward), and contract="strict" segfaulted at the block's end. Such a block call is not recorded now: it keeps
+    its tensors and says why; the gradients are plain PyTorch's."""
+    import torch.autograd.forward_ad as fwAD
+
+    import tapesac
+
+    def step(model, x):
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(model[0](fwAD.make_dual(x, torch.ones_like(x))))
+            loss = primal.sum() + tangent.pow(2).sum()
+        loss.backward()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_DualBlock())
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    want = step(ref, x)
+    sac = tapesac.TapeSAC(model, blocks=[model[0]], policy="full", contract=contract)
+    try:
+        with sac.step():
+            got = step(model, x)
+        assert "forward-mode AD" in sac.last_step.blocks[0].capture_error
+    finally:
+        sac.close()
+    assert torch.equal(got, want) and not _same_grads(model, ref)
+
+
 # ======================================================================================================================
 # 3. Other threads while a step is open
 # ======================================================================================================================

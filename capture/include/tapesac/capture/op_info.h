@@ -40,6 +40,9 @@ struct OpInfo {
   /// aten::mkldnn_rnn_layer (nn.LSTM on CPU) runs oneDNN's training primitive, with a workspace output, only with
   /// grad mode on, and its inference primitive gives other bits. Recorded with grad mode on, it is not replayed.
   bool grad_mode_kernel = false;
+  /// Forward-mode AD's own ops (aten::_fw_primal, _make_dual, _unpack_dual and their copies): a block running dual
+  /// tensors is not recorded (Note [Forward-mode AD in a block], recorder.cpp).
+  bool forward_ad = false;
   /// aten::fill_: with torch.use_deterministic_algorithms(True) and fill_uninitialized_memory (the default), PyTorch
   /// fills what empty.out / resize_ allocate with NaN through a fill_ the recorder sees; that fill still counts as
   /// leaving the bytes unset (Note [Bytes no recorded op wrote]).

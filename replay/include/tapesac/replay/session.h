@@ -44,6 +44,11 @@ class Session {
   /// Ends the step: closes every block call (releasing memory) and keeps their stats. Never throws.
   void end_step() noexcept;
   bool in_step() const { return in_step_; }
+  /// An unpack of this step raised (a MemoryLimitError or ReplayContractError in the backward): the step's backward
+  /// failed; the step-free mode ends such a step as failed at the next block forward (attach.py). Reset by
+  /// begin_step(). Any thread.
+  bool backward_failed() const { return backward_failed_.load(std::memory_order_relaxed); }
+  void note_backward_error() noexcept { backward_failed_.store(true, std::memory_order_relaxed); }
 
   /// Opens a block call (starts recording on this thread). Returns nullptr when a block is already open (nested
   /// blocks record into the outer one).
@@ -119,6 +124,7 @@ class Session {
 
   SessionOptions options_;
   bool in_step_ = false;
+  std::atomic<bool> backward_failed_{false};
   std::unordered_set<const void*> param_storages_;
   SaveOpCache save_cache_;
   std::vector<std::shared_ptr<BlockCall>> blocks_;

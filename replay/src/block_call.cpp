@@ -218,14 +218,20 @@ void BlockCall::release_all() noexcept {
 
 void BlockCall::close_forward() {
   recorder_.stop();
-  // Released after the lock: the last reference to a saved tensor can free autograd nodes whose saved slots call
-  // release(), which takes the lock (a deadlock in test_hf_zoo's Qwen3-Next, found by the fresh-clone CI).
-  std::vector<c10::intrusive_ptr<c10::TensorImpl>> origins;
+  {
+    // Released outside the lock, and before drop(): the last reference to a saved tensor can free autograd nodes
+    // whose saved slots call release(), which takes the lock (a deadlock in test_hf_zoo's Qwen3-Next, found by the
+    // fresh-clone CI); and while held, the dropped storages looked alive to drop() (the planner's model then
+    // predicted test_planner_auto's peaks 8% high).
+    std::vector<c10::intrusive_ptr<c10::TensorImpl>> origins;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (forward_closed_) return;
+    resolve_pending(true);
+    keep_rebound(origins);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (forward_closed_) return;
   forward_closed_ = true;
-  resolve_pending(true);
-  keep_rebound(origins);
   take_recording();
   KeepDecision d = decide();
   observe(d);

@@ -93,12 +93,14 @@ at::Tensor BlockCall::still_alive(const Slot& s) const {
 // version (`h.data[0] = 0.25` at the next block's start, a pre-hook's `args[0].data.mul_(2)`, a hook's write to
 // an activation it captured, `untyped_storage().fill_`) is what a run without tapesac reads; a replay rebuilt the
 // bytes from before it (silently wrong gradients under every contract, strict too: its checksum was taken before
-// the write; adversarial tests). The storage is alive because something holds it (the next block keeps its input,
-// the user a view), or because the write watcher saw a write to it while it was alive and kept it from then on
-// (WriteWatcher::keep_if_written: plain autograd's saved tensor would have kept it too). A write that moved the
-// version was refused by the contract above. Serving costs no replay.
+// the write; adversarial tests). Served when the write watcher saw a write to that storage while it was alive and
+// kept it from then on (WriteWatcher::keep_if_written: plain autograd's saved tensor would have kept it too); a live
+// storage nobody wrote holds the forward's bytes, rebuilt by the replay as before. A write that moved the version was
+// refused by the contract above.
 at::Tensor BlockCall::on_live_storage(const Slot& s) const {
-  if (s.value < 0 || s.storage == nullptr) return {};
+  // Only a storage the watcher saw written: one alive and unwritten holds the forward's bytes, which the replay
+  // rebuilds as the planner's memory model expects (serving those too lowered measured peaks under its predictions).
+  if (s.value < 0 || s.storage == nullptr || !ctx_.watcher || !ctx_.watcher->kept_written(s.storage)) return {};
   c10::intrusive_ptr<c10::StorageImpl> impl = s.storage_weak.lock();
   if (!impl || impl->data() != s.storage_data || impl->nbytes() != s.storage_nbytes) return {};
   const capture::TensorMeta& m = recorder_.tape().value(s.value).meta;

@@ -188,6 +188,14 @@ void WriteWatcher::end() noexcept {
   written_dropped_.clear();
 }
 
+bool WriteWatcher::kept_written(const void* key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const c10::Storage& st : written_dropped_) {
+    if (st.unsafeGetStorageImpl() == key) return true;
+  }
+  return false;
+}
+
 void WriteWatcher::keep_if_written(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return;
   std::lock_guard<std::mutex> lock(mu_);

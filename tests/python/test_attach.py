@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -258,10 +259,13 @@ def test_an_attached_step_whose_backward_raised_ends_at_the_next_forward(tapesac
     except tapesac.MemoryLimitError:
         pass
     sac.memory_limit = None  # was refused: the failed step is ended first
-    del sac, opt, model
-    gc.collect()
+    assert not sac.in_step
+    from tapesac import core
+
+    assert isinstance(core._active_steps, weakref.WeakValueDictionary)  # a dropped TapeSAC does not block the thread
+    sac.close()
     fresh_model = stack(2)
     fresh = tapesac.TapeSAC(fresh_model, blocks="blocks.*")
-    with fresh.step():  # was refused: "a step of another TapeSAC is open on this thread"
+    with fresh.step():
         fresh_model(small).sum().backward()
     fresh.close()

@@ -147,6 +147,8 @@ class WriteWatcher : private capture::CallObserver {
   /// block's output by the next block, a hook, the user), the watcher keeps the storage until end(), so that the
   /// unpack serves the written bytes, which autograd's saved tensor would read, instead of replaying older ones.
   void keep_if_written(const at::Tensor& t);
+  /// Whether the storage `key` (a StorageImpl) was kept by keep_if_written(): written while alive.
+  bool kept_written(const void* key) const;
 
  private:
   struct Entry;

@@ -43,6 +43,12 @@ _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 # a lossy or counting pair of hooks around the forward silently saw none of them (gradients differed from plain
 # PyTorch under every policy, "none" included: an adversarial test). Counted in aside_calls, warned once (conflicts).
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _foreign_hooks() -> bool:
+    """Saved-tensor hooks on top that are not a tapesac session's (Note [Hooks of others])."""
+    top = _top_hooks(False)
+    return top is not None and getattr(top[0], "__name__", "") != "tapesac_pack"
 _grad_enabled = torch.is_grad_enabled
 _thread_id = threading.get_ident
 
@@ -100,7 +106,7 @@ class StepHooks:
                 return None
             if not _grad_enabled() or session.block_open:
                 return None
-            if _functorch_active() or _top_hooks(False) is not None:  # Note [torch.func], Note [Hooks of others]
+            if _functorch_active() or _foreign_hooks():  # Note [torch.func], Note [Hooks of others]
                 self.aside_calls += 1
                 return None
             if session.begin_block(name):

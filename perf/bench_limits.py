@@ -45,9 +45,9 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def ckpt_peak(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """torch.utils.checkpoint (non-reentrant) around every decoder layer: the step peak (MemoryMeter)."""
     layers = model.model.layers
-    saved = [layer.forward for layer in layers]
-    for layer, fwd in zip(layers, saved):
-        layer.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    prior = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = lambda *a, _f=layer.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
     try:
         peaks = []
         for _ in range(2):
@@ -58,8 +58,11 @@ def ckpt_peak(model: torch.nn.Module, ids: torch.Tensor) -> int:
             peaks.append(m.peak_bytes + sum(t.numel() * t.element_size() for t in resident))
         return max(peaks)
     finally:
-        for layer, fwd in zip(layers, saved):
-            layer.forward = fwd
+        for layer, fwd in zip(layers, prior):  # as before: assigning the bound forward back made a reference cycle
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
         model.zero_grad(set_to_none=True)
 
 

@@ -40,6 +40,16 @@ CHECKED_STEPS = 3
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Conflicts]]" = weakref.WeakKeyDictionary()
 
 
+def remove_handles(*handle_lists: list[Any]) -> None:
+    """Removes the hooks in `handle_lists` and empties them. A TapeSAC's finalizer calls it with the lists of its
+    Conflicts (`handle_lists()`): hook handles refer to the hook dicts weakly, so the finalizer keeps no module alive
+    (Note [A finalizer that holds no model])."""
+    for handles in handle_lists:
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+
 def _names(names: Sequence[str]) -> str:
     return f"{list(names[:4])}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
 
@@ -164,8 +174,8 @@ class Conflicts:
         self.check_modules()
         self.in_step = True
         if self._steps < CHECKED_STEPS:
-            self._step_handles = [m.register_forward_pre_hook(_Hook(self, "_block_starts", name), prepend=True)
-                                  for name, m in self._blocks]
+            self._step_handles.extend(m.register_forward_pre_hook(_Hook(self, "_block_starts", name), prepend=True)
+                                      for name, m in self._blocks)
 
     # -- during a step --------------------------------------------------------------------------------------------
     def _block_starts(self, name: str, module: nn.Module, args: Any) -> None:
@@ -212,9 +222,7 @@ class Conflicts:
     def after_step(self, stats: Any) -> None:
         self.in_step = False
         self._steps += 1
-        handles, self._step_handles = self._step_handles, []
-        for h in handles:
-            h.remove()
+        remove_handles(self._step_handles)
         if stats is None or self._step_warned:
             return
         if stats.block_calls == 0:
@@ -234,16 +242,15 @@ class Conflicts:
                 f"blocks instead), or custom kernels (Triton, CUDA extensions) make the blocks' activations."))
 
     # -- closing --------------------------------------------------------------------------------------------------
+    def handle_lists(self) -> tuple[list[Any], list[Any]]:
+        """The lists holding this instance's hook handles, emptied in place when the hooks go (`remove_handles`)."""
+        return self._handles, self._step_handles
+
     def _remove_hooks(self) -> None:
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
+        remove_handles(self._handles)
 
     def close(self) -> None:
-        self._remove_hooks()
-        for h in self._step_handles:
-            h.remove()
-        self._step_handles = []
+        remove_handles(self._handles, self._step_handles)
         self._session = None
         self.closed = True
         self.in_step = False

@@ -27,7 +27,7 @@ from . import _C
 from .attach import Attachment, check_not_attached
 from .blocks import ModelTensors, check_blocks, model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc, resolve_schedule
-from .conflicts import Conflicts
+from .conflicts import Conflicts, remove_handles
 from .errors import ConfigError, TapeSACError
 from .hooks import StepHooks
 from .log import Once, logger
@@ -149,7 +149,10 @@ class TapeSAC:
         self._attachment: Attachment | None = None
         # Last: the conflict checks warn about this model and its blocks, and watch them between steps.
         self._conflicts = Conflicts(model, self._blocks, self._session)
-        weakref.finalize(self, self._conflicts.close)  # collected unclosed: its watch hooks leave the model too
+        # Note [A finalizer that holds no model]: collected unclosed, the conflict checks' hooks leave the model too.
+        # The finalizer holds only the hook handles (weak references to the hook dicts): holding Conflicts.close held
+        # the model, and a model in a reference cycle then outlived the first collection, closed or not.
+        weakref.finalize(self, remove_handles, *self._conflicts.handle_lists())
 
     # -- properties -------------------------------------------------------------------------------------------
     @property

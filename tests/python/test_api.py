@@ -660,6 +660,31 @@ def test_a_tapesac_collected_without_close_leaves_no_hook(tapesac) -> None:
     assert count() == before, (count(), before)
 
 
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_model_in_a_reference_cycle_goes_with_one_collection(tapesac, closed) -> None:
+    """A model that is part of a reference cycle (an attribute pointing back at it, a forward bound into the
+    instance's dict) is freed by the first collection once it and its TapeSAC are unreachable. The TapeSAC's finalizer
+    held the conflict checks' close(), hence the model, strongly: the first collection only ran it, the model (with its
+    parameters and, on a GPU, their memory) lived until a later one — and a later test's gc-counting measurement saw
+    it freed in the middle (test_telemetry's history test, 2026-12-07)."""
+    import gc
+    import weakref
+
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    model.me = model
+    for b in model.blocks:
+        b.forward = b.forward
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with sac.step():
+        model(torch.randn(4, M.D)).square().mean().backward()
+    if closed:
+        sac.close()
+    gone = [weakref.ref(model), weakref.ref(sac)] + [weakref.ref(b) for b in model.blocks]
+    del sac, model, b
+    gc.collect()
+    assert [r() is None for r in gone] == [True] * len(gone)
+
+
 def test_public_api_misuse_found_by_adversarial_tests_is_typed(tapesac, tmp_path) -> None:
     """Each of these raised an untyped error from deep inside, or left state behind (an adversarial test of the API
     surface): memory_limit set inside a step (refused with a message about schedules, yet enforced from the next

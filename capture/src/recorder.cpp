@@ -158,6 +158,7 @@ void Recorder::start() {
   id_.impl_refs.reserve(3 * n);
   id_.storage_id.reserve(2 * n);
   id_.storage_refs.reserve(2 * n);
+  id_.storage_key.reserve(2 * n);
   id_.last_value_of_storage.reserve(2 * n);
   id_.prev_value_same_storage.reserve(3 * n);
   const RecorderHook hook = resolve_recorder_hook(options_.hook);
@@ -378,6 +379,7 @@ StorageId Recorder::storage_of(const at::Tensor& t, bool create_external) {
   const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
   const StorageId s = tape_.add_storage(/*external=*/true, nbytes);
   id_.storage_id.assign(key, s);
+  id_.storage_key.push_back(key);
   if (t.has_storage()) id_.storage_refs.emplace_back(t.storage().getWeakStorageImpl());
   id_.last_value_of_storage.push_back(-1);
   return s;
@@ -399,9 +401,10 @@ bool Recorder::opaque(ValueId v, const TensorMeta& view) const {
   return s < cover_.size() && cover_[s] != nullptr && !cover_[s]->covers(view);
 }
 
-ValueId Recorder::lookup(const at::Tensor& t) const {
+ValueId Recorder::lookup(const at::Tensor& t, bool* by_impl) const {
   if (!t.defined()) return -1;
   const ValueId latest = id_.impl_value.find(t.unsafeGetTensorImpl());
+  if (by_impl != nullptr) *by_impl = latest != PtrIndexMap::kMissing;
   if (latest != PtrIndexMap::kMissing) return latest;
   const StorageId storage = id_.storage_id.find(storage_key(t));
   if (storage == PtrIndexMap::kMissing) return -1;
@@ -441,13 +444,16 @@ void Recorder::link_value(ValueId v, StorageId s) {
 }
 
 ValueId Recorder::value_for_input(const at::Tensor& t) {
-  const ValueId v = lookup(t);
+  bool by_impl = false;
+  const ValueId v = lookup(t, &by_impl);
   // Note [A storage replaced inside the block]: `a.data = other` (or `a.data.set_(...)`) gives a's TensorImpl another
   // storage through no operator call: the impl still maps to the value the tape made, and a later reader was
   // replayed from that value's producer, not from the new data (silently wrong under "check": adversarial tests and
   // random programs). Such a block call is not recorded further: it keeps its tensors, and says why.
-  if (v >= 0 && t.has_storage() && id_.impl_value.find(t.unsafeGetTensorImpl()) == v &&
-      id_.storage_id.find(storage_key(t)) != tape_.value(v).storage) {
+  // Compared by the storage's key, kept per storage (no second hash lookup per input): the recording's weak references
+  // to its storages (storage_refs) keep a StorageImpl's address from being reused while it runs.
+  if (by_impl && t.has_storage() &&
+      storage_key(t) != id_.storage_key[static_cast<size_t>(tape_.value(v).storage)]) {
     throw std::runtime_error(
         "an input's storage was replaced inside the block (`t.data = ...` or `t.data.set_(...)`), which no operator "
         "call shows; the block keeps its tensors. Assign a new tensor (`t = t * 2`) instead of its .data");
@@ -735,6 +741,7 @@ void Recorder::register_output(OpRecord& rec, const at::Tensor& t, OutputScan& s
     const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
     s = tape_.add_storage(/*external=*/false, nbytes);
     id_.storage_id.assign(key, s);
+    id_.storage_key.push_back(key);
     if (t.has_storage()) id_.storage_refs.emplace_back(t.storage().getWeakStorageImpl());
     id_.last_value_of_storage.push_back(-1);
     rec.writes.push_back(s);

@@ -43,6 +43,7 @@ struct RecorderIdentity {
   PtrIndexMap impl_value;  // TensorImpl -> its latest value
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> impl_refs;
   PtrIndexMap storage_id;  // StorageImpl (or TensorImpl without storage) -> storage
+  std::vector<const void*> storage_key;  // storage -> its key in storage_id (Note [A storage replaced inside the block])
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_refs;
   // Values of each storage as a linked list, newest first (no allocation per storage).
   std::vector<ValueId> last_value_of_storage;
@@ -53,6 +54,7 @@ struct RecorderIdentity {
     impl_value.reset();
     impl_refs.clear();
     storage_id.reset();
+    storage_key.clear();
     storage_refs.clear();
     last_value_of_storage.clear();
     prev_value_same_storage.clear();
@@ -202,7 +204,8 @@ class Recorder : private CallObserver {
 
   StorageId storage_of(const at::Tensor& t, bool create_external);
   /// find_value without the opaque filter.
-  ValueId lookup(const at::Tensor& t) const;
+  /// The tape value `t` is; `by_impl` (if given) tells whether its TensorImpl resolved it (not a view's metadata).
+  ValueId lookup(const at::Tensor& t, bool* by_impl = nullptr) const;
   /// True when value `v` viewed as `view` shows bytes no recorded op wrote (or was registered for such a read).
   bool opaque(ValueId v, const TensorMeta& view) const;
   /// Coverage after a recorded op (Note [Bytes no recorded op wrote]): a kUninitialized op resets the storages it

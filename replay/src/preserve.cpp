@@ -1,6 +1,7 @@
 // The write watcher (see preserve.h).
 #include "tapesac/replay/preserve.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -122,7 +123,79 @@ struct WriteWatcher::Entry {
   std::vector<Write> writes;                               // kRegions: write k is the (k+1)-th
   std::vector<std::pair<int64_t, at::Tensor>> snapshots;   // kSnapshots: (writes seen before, bytes)
   PreservedStorage stats;
+  // Note [a storage reallocated unseen]: since the allocation changed, the byte ranges written into it (sorted,
+  // disjoint); the refill ends when they cover the storage. `refill_unknown`: a write whose bytes are not one dense
+  // range filled some of it.
+  bool refilling = false;
+  bool refill_unknown = false;
+  std::vector<std::pair<int64_t, int64_t>> refilled;
 };
+
+namespace {
+
+/// The bytes [first, second) of its storage a write covers, when the written view covers exactly one dense range of
+/// them (a slice, a row block, the whole tensor); nullopt otherwise (strided or index writes).
+std::optional<std::pair<int64_t, int64_t>> dense_bytes(const at::Tensor& target, RegionKind kind) {
+  if (kind != RegionKind::kView || !target.is_non_overlapping_and_dense()) return std::nullopt;
+  const auto item = static_cast<int64_t>(target.element_size());
+  return std::make_pair(target.storage_offset() * item, (target.storage_offset() + target.numel()) * item);
+}
+
+/// Bytes of [lo, hi) already in `ranges` (sorted, disjoint).
+int64_t covered_bytes(const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t lo, int64_t hi) {
+  int64_t n = 0;
+  for (const auto& [a, b] : ranges) n += std::max<int64_t>(0, std::min(b, hi) - std::max(a, lo));
+  return n;
+}
+
+/// Adds [lo, hi) to `ranges` (sorted, disjoint, merged).
+void add_range(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t lo, int64_t hi) {
+  ranges.emplace_back(lo, hi);
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<int64_t, int64_t>> merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && r.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  ranges = std::move(merged);
+}
+
+}  // namespace
+
+bool WriteWatcher::refills(Entry& e, const char* op, size_t arg, const at::Tensor& target, bool first) {
+  // Note [a storage reallocated unseen], refilled in pieces: FSDP2 copies a parameter back in one write, but a refill
+  // shard by shard writes several; saving the later ones restored their bytes before the write — fresh memory — for
+  // the replay (silently different gradients). A write into bytes not written since the reallocation refills them: not
+  // saved, not counted, read by the replay as they are (as plain autograd reads them). A write of refilled bytes is a
+  // write (saved). A write that mixes both, or one whose bytes cannot be told while the refill is unfinished, makes the
+  // storage's replays refuse (ReplayContractError).
+  const auto span = dense_bytes(target, region_kind(op, arg));
+  if (!span.has_value() || e.refill_unknown) {
+    if (first) {
+      e.refill_unknown = true;
+      return true;
+    }
+    e.broken = true;
+    e.broken_why = std::string("it was reallocated by code no operator call shows (e.g. untyped_storage().resize_()) "
+                               "and refilled by writes whose bytes tapesac cannot tell apart (") + op + ")";
+    return false;
+  }
+  const auto [lo, hi] = *span;
+  const int64_t seen = covered_bytes(e.refilled, lo, hi);
+  if (seen == hi - lo && hi > lo) return false;  // refilled bytes written again: a write
+  if (seen > 0) {
+    e.broken = true;
+    e.broken_why = std::string("it was reallocated by code no operator call shows (e.g. untyped_storage().resize_()) "
+                               "and ") + op + " wrote bytes partly refilled since, partly not";
+    return false;
+  }
+  add_range(e.refilled, lo, hi);
+  if (covered_bytes(e.refilled, 0, e.nbytes) >= e.nbytes) e.refilling = false;
+  return true;
+}
 
 WriteWatcher::WriteWatcher(PreserveMode mode, std::unordered_map<const void*, PreserveMode> overrides)
     : mode_(mode), overrides_(std::move(overrides)) {}
@@ -292,7 +365,9 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
   // gradients). A write into a storage whose allocation changed since it was watched is therefore not saved and
   // not counted: the replay reads the bytes as they are after it, as plain autograd does. Writes saved before the
   // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
-  if (static_cast<int64_t>(target.storage().nbytes()) != e.nbytes || target.storage().data() != e.data) {
+  const bool moved =
+      static_cast<int64_t>(target.storage().nbytes()) != e.nbytes || target.storage().data() != e.data;
+  if (moved) {
     e.nbytes = static_cast<int64_t>(target.storage().nbytes());
     e.data = target.storage().data();
     if (e.count > 0 && !e.broken) {
@@ -300,8 +375,11 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
       e.broken_why = "the storage was reallocated (resized) after " + std::to_string(e.count) +
                      " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())";
     }
-    return;
+    e.refilling = true;
+    e.refill_unknown = false;
+    e.refilled.clear();
   }
+  if (e.refilling && refills(e, op.c_str(), arg, target, moved)) return;
   const int64_t t0 = now_ns();
   const int64_t held_before = e.stats.held_bytes;
   busy_ = true;

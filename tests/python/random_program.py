@@ -344,8 +344,12 @@ class DataWrite:
     target: str
     factor: float
     replace: bool = False  # `.data = .data * factor`: a new storage (Program._with_data_replacements)
+    refill: int = 0  # freed and refilled in `refill` row slices, then `*= factor` (Program._with_refills)
 
     def __str__(self) -> str:
+        if self.refill:
+            return (f"{self.target}[{self.block}] freed, refilled in {self.refill} slice(s), *= {self.factor:g} "
+                    f"({self.where})")
         if self.replace:
             return f"{self.target}[{self.block}].data = .data * {self.factor:g} ({self.where})"
         return f"{self.target}[{self.block}].data *= {self.factor:g} ({self.where})"
@@ -405,7 +409,7 @@ class Program:
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
                 ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
-                ._with_entry_writes()._with_data_replacements())
+                ._with_entry_writes()._with_data_replacements()._with_refills())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -516,6 +520,20 @@ class Program:
         return dataclasses.replace(self, data_writes=(write,),
                                    contract="check" if self.contract == "off" else self.contract)
 
+    def _with_refills(self) -> "Program":
+        """A block's weight freed and refilled as FSDP2 does around its backward (untyped_storage().resize_(0), then
+        resize_(n) at another address and the same values copied back), in 1-3 row slices, then maybe written for real
+        (`*= factor`, 1.0: none); from its own RNG, in programs of their own. The reallocation is no operator call: writes into bytes not
+        written since refill them (Note [a storage reallocated unseen], replay/src/preserve.cpp; the second slice's
+        bytes before the write — fresh memory — were restored for the replay before)."""
+        rng = random.Random(f"refill-{self.seed}")
+        if self.data_writes or rng.random() >= 0.08:
+            return self
+        write = DataWrite(where=rng.choice(["forward", "backward"]), block=rng.randrange(len(self.blocks)),
+                          target="weight", factor=rng.choice([1.0, 1.0, 0.5, -1.0]), refill=rng.choice([1, 2, 3]))
+        return dataclasses.replace(self, data_writes=(write,),
+                                   contract="check" if self.contract == "off" else self.contract)
+
     def _with_entry_writes(self) -> "Program":
         """A `.data` write to a block's input at its entry — the previous block's output, which that block may have
         saved and tapesac dropped — with no reference to it kept afterwards (from its own RNG). Autograd's saved
@@ -547,6 +565,8 @@ class Program:
         out += [f"data_write:{w.where}" for w in self.data_writes]
         if any(w.replace for w in self.data_writes):
             out.append("data_write:replace")
+        if any(w.refill for w in self.data_writes):
+            out.append("data_write:refill")
         if "data_write_saved" in self.ops():
             out.append("data_write:saved")
         if self.step != "backward":
@@ -851,7 +871,24 @@ class ProgramModel(nn.Module):
 
     def data_write(self, w: DataWrite) -> None:
         t = self.write_target(w)
-        if w.replace:
+        if w.refill:
+            values, n, old = t.detach().clone(), t.untyped_storage().nbytes(), t.untyped_storage().data_ptr()
+            t.untyped_storage().resize_(0)
+            t.untyped_storage().resize_(n)
+            # Reallocated at the same address, the watcher cannot see the reallocation (open: Note [a storage
+            # reallocated unseen]; README): the freed block is taken by another tensor until the refill lands elsewhere.
+            taken = []
+            while t.untyped_storage().data_ptr() == old and len(taken) < 16:
+                t.untyped_storage().resize_(0)
+                taken.append(torch.empty(n, dtype=torch.uint8))
+                t.untyped_storage().resize_(n)
+            row = 0
+            for c in values.chunk(w.refill):
+                t.data[row:row + c.shape[0]].copy_(c)
+                row += c.shape[0]
+            if w.factor != 1.0:
+                t.data.mul_(w.factor)
+        elif w.replace:
             t.data = t.data * w.factor  # a new storage: the tensor's data is replaced, no version moves
         else:
             t.data.mul_(w.factor)  # through .data: the version counter does not move

@@ -167,6 +167,9 @@ class WriteWatcher : private capture::CallObserver {
   /// True for an operator call, false for a named region (Note [Operator calls by name]). Owner thread only.
   bool operator_call(const at::RecordFunction& fn);
   void save(Entry& e, const std::string& op, c10::ArrayRef<c10::IValue> inputs, size_t arg, const at::Tensor& target);
+  /// True when a write into a storage reallocated unseen refills bytes not written since (not saved, not counted);
+  /// `first`: the write that showed the reallocation (Note [a storage reallocated unseen]).
+  static bool refills(Entry& e, const char* op, size_t arg, const at::Tensor& target, bool first);
 
   PreserveMode mode_;
   std::unordered_map<const void*, PreserveMode> overrides_;

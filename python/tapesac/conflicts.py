@@ -13,10 +13,12 @@ Contract (one ``Conflicts`` per TapeSAC; it only reads the model and never chang
 - After every step: no block call recorded (the usual cause: ``torch.compile(model)`` compiled before the first step,
   whose compiled code ignores hooks added later), or nothing dropped because most saved tensors were opaque (compiled
   kernels the recorder cannot see) — reported only when no specific conflict explains it.
-- Outside steps: a forward hook on every block (the one hook that stays between steps) notices a block that runs
-  forward *and backward* with gradients outside any step (it trained without tapesac). The hook does nothing under torch.compile's tracing, is removed after its
-  warning and at ``close()``, and a pickled or deep-copied model gets an inert hook in its place (no tie to this
-  TapeSAC).
+- Outside steps: a post-accumulate-grad hook on one trainable parameter of every block notices a block whose
+  backward ran outside any step (it trained without tapesac). It is the one hook that stays between steps, and it
+  is on a parameter, not on the module: a module's forward hooks are visible state (nn.TransformerEncoderLayer leaves
+  its inference fast path when its modules have any, torch.jit.script compiles them, a deep copy carries them), and
+  a parameter's grad hooks are neither deep-copied nor pickled. It is removed at the next step after its warning and
+  at ``close()``. A block without trainable parameters is not watched.
 """
 
 from __future__ import annotations
@@ -54,17 +56,6 @@ def _names(names: Sequence[str]) -> str:
     return f"{list(names[:4])}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
 
 
-def _first_grad_tensor(output: Any) -> torch.Tensor | None:
-    """The first tensor that requires grad in a block's output (a tensor, a tuple/list, a dict or ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    for item in items:
-        if isinstance(item, torch.Tensor) and item.requires_grad:
-            return item
-    return None
-
-
 class _Inert:
     """What a pickled or deep-copied model holds in place of a watch hook: nothing."""
 
@@ -90,6 +81,31 @@ class _Hook:
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return (_Inert, ())
+
+
+class _GradWatch:
+    """The between-steps watch of one block: a post-accumulate-grad hook on one of its trainable parameters, bound
+    weakly to its Conflicts (it never keeps a TapeSAC alive)."""
+
+    def __init__(self, owner: "Conflicts", name: str) -> None:
+        self._owner = weakref.ref(owner)
+        self._name = name
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._trained_outside(self._name)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_Inert, ())
+
+
+def _watch(owner: "Conflicts", name: str, block: nn.Module) -> Any:
+    """The watch hook's handle on `block`'s first trainable parameter; None when it has none."""
+    for p in block.parameters():
+        if p.requires_grad and p.is_leaf:
+            return p.register_post_accumulate_grad_hook(_GradWatch(owner, name))
+    return None
 
 
 class Conflicts:
@@ -119,7 +135,8 @@ class Conflicts:
             _OWNERS[m] = weakref.ref(self)
         self._steps = 0
         self._step_handles: list[Any] = []
-        self._handles: list[Any] = [m.register_forward_hook(_Hook(self, "_block_ran", name)) for name, m in self._blocks]
+        self._watched = False  # the watch warned: its hooks go at the next step (not from inside the backward)
+        self._handles: list[Any] = [h for h in (_watch(self, name, m) for name, m in self._blocks) if h is not None]
 
     # -- at construction ------------------------------------------------------------------------------------------
     def _check_compiled_blocks(self) -> None:
@@ -170,6 +187,8 @@ class Conflicts:
                     f"instead (e.g. block.mlp.compile()), or use tapesac without compiling the model."))
 
     def before_step(self) -> None:
+        if self._watched:
+            self._remove_hooks()
         self._step_warned = False
         self.check_modules()
         self.in_step = True
@@ -198,25 +217,15 @@ class Conflicts:
                 f"Remove that checkpoint or offload around the block to let tapesac choose what to keep."))
 
     # -- outside steps --------------------------------------------------------------------------------------------
-    def _block_ran(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
-        if self.in_step or not torch.is_grad_enabled() or self._once.seen("outside"):
+    def _trained_outside(self, name: str) -> None:
+        if self.in_step or self._watched or torch.compiler.is_compiling():
             return
-        t = _first_grad_tensor(output)
-        if t is None:
-            return
-        owner = weakref.ref(self)
-
-        def on_backward(grad: torch.Tensor) -> None:
-            c = owner()
-            if c is not None and c._once.warning("outside", (
-                    f"tapesac: block {name} ran forward and backward with gradients outside any step while a TapeSAC "
-                    f"is attached: it trained without checkpointing (every activation kept). Run forward and backward "
-                    f"inside `with sac.step():`, or let the optimizer delimit steps (sac.attach(optimizer)), or use a "
-                    f"trainer callback (tapesac.integrations); call sac.close() if tapesac should not apply.")):
-                c._remove_hooks()  # warned once: the watch is no longer needed
-            return None
-
-        t.register_hook(on_backward)
+        self._watched = True  # warned once: the watch is no longer needed (removed at the next step)
+        self._once.warning("outside", (
+            f"tapesac: block {name} ran forward and backward with gradients outside any step while a TapeSAC "
+            f"is attached: it trained without checkpointing (every activation kept). Run forward and backward "
+            f"inside `with sac.step():`, or let the optimizer delimit steps (sac.attach(optimizer)), or use a "
+            f"trainer callback (tapesac.integrations); call sac.close() if tapesac should not apply."))
 
     # -- after a step ---------------------------------------------------------------------------------------------
     def after_step(self, stats: Any) -> None:

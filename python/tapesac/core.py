@@ -2,7 +2,7 @@
 
 Contract: ``TapeSAC(model, ...)`` never edits the model (its code, attributes or ``state_dict`` keys). The step's
 hooks exist only inside ``with sac.step():`` and are removed in ``finally`` — also when the step raised; between
-steps only the conflict watch (conflicts.py: one forward hook per block that never changes what a block computes)
+steps only the conflict watch (conflicts.py: a post-accumulate-grad hook on one parameter per block, no module hook)
 and, after ``sac.attach(...)``, the step-free mode's hooks (attach.py) remain, until ``close()``. A step context that is abandoned (entered, never exited, then garbage-collected) is ended with a
 warning; entering a step while one is open raises. Everything that runs per op or per saved tensor is C++
 (``tapesac._C``); this module runs per step. Its parts: the options (config.py), where tapesac applies (blocks.py),

@@ -29,22 +29,15 @@ GLOBAL_HOOK_ATTRS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_glo
                      "_global_forward_hooks_with_kwargs")
 
 
-def _is_watch_hook(hook: Any) -> bool:
-    """The one hook tapesac documents between steps: the conflict watch's forward hook per block (conflicts.py: it
-    notices blocks that train outside any step), present while a TapeSAC is open and removed by close()."""
-    return type(hook).__name__ == "_Hook" and type(hook).__module__ == "tapesac.conflicts" and \
-        getattr(hook, "_method", None) == "_block_ran"
-
-
 def hook_snapshot(model: nn.Module) -> dict:
-    """Every hook dict of every submodule and the global module hooks (keys only), without the conflict watch's
-    between-steps hooks (_is_watch_hook); assert_no_tapesac_hooks checks those are gone after close()."""
+    """Every hook dict of every submodule and the global module hooks (keys only). Between steps tapesac leaves none
+    on a module (its conflict watch is on parameters; assert_no_tapesac_hooks checks it is gone after close())."""
     snap = {}
     for name, mod in model.named_modules():
         for attr in MODULE_HOOK_ATTRS:
             d = getattr(mod, attr, None)
             if d is not None:
-                snap[(name, attr)] = [k for k, h in d.items() if not _is_watch_hook(h)]
+                snap[(name, attr)] = list(d.keys())
     from torch.nn.modules import module as nn_module
 
     for attr in GLOBAL_HOOK_ATTRS:
@@ -53,8 +46,7 @@ def hook_snapshot(model: nn.Module) -> dict:
 
 
 def assert_hooks_unchanged(model: nn.Module, before: dict, when: str) -> None:
-    """The model's hooks are the ones it had before, apart from the conflict watch's between-steps hooks (after a
-    close(), assert_no_tapesac_hooks checks those too)."""
+    """The model's module hooks are the ones it had before."""
     after = hook_snapshot(model)
     if after != before:
         diff = {k: (before.get(k), after.get(k)) for k in set(before) | set(after) if before.get(k) != after.get(k)}
@@ -66,6 +58,10 @@ def assert_no_tapesac_hooks(model: nn.Module, when: str) -> None:
     left = [(name, attr, type(h).__module__) for name, mod in model.named_modules() for attr in MODULE_HOOK_ATTRS
             for h in (getattr(mod, attr, None) or {}).values()
             if (getattr(h, "__module__", None) or type(h).__module__ or "").startswith("tapesac")]
+    # The conflict watch's post-accumulate-grad hooks on parameters (conflicts.py) go too.
+    left += [(name, "_post_accumulate_grad_hooks", type(h).__module__) for name, p in model.named_parameters()
+             for h in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
+             if type(h).__module__.startswith("tapesac")]
     assert not left, f"{when}: tapesac's hooks are still on the model after close(): {left}"
 
 

@@ -193,6 +193,51 @@ def test_watch_hooks_leave_no_trace_on_copies_pickles_and_exactness(tapesac, cap
     sac.close()
 
 
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+                                    for _ in range(2))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, src_key_padding_mask=pad)
+        return x
+
+
+def test_between_steps_the_blocks_carry_no_module_hook(tapesac) -> None:
+    """Between steps no tapesac hook sits on a block: nn.TransformerEncoderLayer leaves its inference fast path
+    whenever its modules have forward hooks, so the watch's forward hook changed an eval forward under no_grad while
+    a TapeSAC existed (3.6e-7; a model making its own soft targets then trained on other numbers, under every policy),
+    a deep copy made between steps kept the hook for good, and torch.jit.script failed on it (adversarial tests). The
+    watch is a post-accumulate-grad hook on one trainable parameter per block: it sees a backward, not a forward."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, -2:] = True
+    with torch.no_grad():
+        before = model(x, pad)
+    sac = tapesac.TapeSAC(model, blocks="layers.*", policy="full")
+    try:
+        model.train()
+        with sac.step():
+            model(x, pad).square().mean().backward()
+        model.eval()
+        for name, m in model.named_modules():
+            assert not m._forward_hooks and not m._forward_pre_hooks, name
+        with torch.no_grad():
+            assert torch.equal(model(x, pad), before)
+        twin = copy.deepcopy(model)
+        torch.jit.script(model)
+    finally:
+        sac.close()
+    for name, m in twin.named_modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, name
+    for p in twin.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+
+
 def test_library_warnings_go_through_the_tapesac_logger(tapesac) -> None:
     """No module of the library warns with warnings.warn or prints (the command-line modules print their output)."""
     root = Path(tapesac.__file__).parent

@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -58,8 +59,16 @@ class Attachment:
         self._handles: list[Any] = []
         try:
             if optimizer is not None:
-                self._handles.append(_steppable(optimizer).register_step_pre_hook(
-                    CopiesInert(lambda opt, args, kwargs: self.end_step())))
+                # Weakly: an optimizer that outlives a TapeSAC dropped without close() (held by an LR scheduler)
+                # kept it, its model and the counting allocator alive for good (an adversarial test).
+                owner = weakref.ref(self)
+
+                def ends(opt: Any, args: Any, kwargs: Any) -> None:
+                    attachment = owner()
+                    if attachment is not None:
+                        attachment.end_step()
+
+                self._handles.append(_steppable(optimizer).register_step_pre_hook(CopiesInert(ends)))
             for name, module in sac.blocks:
                 # A copy of the model (deepcopy, pickle) gets inert hooks: it must not start this TapeSAC's steps.
                 self._handles.append(module.register_forward_pre_hook(CopiesInert(self._starter(name)), prepend=True))

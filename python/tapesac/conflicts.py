@@ -44,8 +44,9 @@ _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Conflicts]]" = weakre
 
 def remove_handles(*handle_lists: list[Any]) -> None:
     """Removes the hooks in `handle_lists` and empties them. A TapeSAC's finalizer calls it with the lists of its
-    Conflicts (`handle_lists()`): hook handles refer to the hook dicts weakly, so the finalizer keeps no module alive
-    (Note [A finalizer that holds no model])."""
+    Conflicts (`handle_lists()`). Note [A finalizer that holds no model]: hook handles refer to the hook dicts weakly,
+    so the finalizer keeps no module alive; it held Conflicts.close, hence the model, and a model in a reference cycle
+    outlived the first collection after it became unreachable, closed or not."""
     for handles in handle_lists:
         for h in handles:
             h.remove()

@@ -33,7 +33,7 @@ from .hooks import StepHooks
 from .log import Once, logger
 from .logs import StepLog
 from .memory import MemoryStats, parse_memory_limit
-from .policy import CallablePolicy, OpSetPolicy, parse_policy
+from .policy import CallablePolicy, OpSetPolicy, held_weakly, parse_policy
 from .preserve import Trial
 from .stats import BlockStats, StepStats, append_to_history, block_stats_from, step_stats_from
 from .step_context import StepContext
@@ -80,7 +80,7 @@ def _session_for(cfg: Config, policy: str, save_op: Any, limit: int, device: tor
     elif backend == "emulated_graph":
         graph_device = _C.emulated_graph_device()
     preserve = "off" if cfg.preserve == "off" or not check else "snapshots" if cfg.preserve == "snapshots" else "regions"
-    session = _C.Session(policy, save_op, check, check, cfg.contract == "strict", memory_limit=limit,
+    session = _C.Session(policy, held_weakly(save_op), check, check, cfg.contract == "strict", memory_limit=limit,
                          arena_pool=arena, graph_device=graph_device,
                          arena_device=(device.index or 0) if device.type == "cuda" else 0, preserve=preserve,
                          # Device op times (CUPTI, else CUDA events) where the planner uses op costs.
@@ -115,6 +115,7 @@ class TapeSAC:
         self.backend = resolve_backend(cfg.backend, self._device)
         self._model = model
         self._blocks = resolve_blocks(model, cfg.blocks)
+        self._block_names = [n for n, _ in self._blocks]
         # Parameters and buffers, read at each step's start; a changed module tree re-checks the blocks.
         self._tensors = ModelTensors(model, lambda: check_blocks(model, cfg.blocks, self._blocks))
         self._policy_label, session_policy, save_op = parse_policy(policy)
@@ -149,15 +150,13 @@ class TapeSAC:
         self._attachment: Attachment | None = None
         # Last: the conflict checks warn about this model and its blocks, and watch them between steps.
         self._conflicts = Conflicts(model, self._blocks, self._session)
-        # Note [A finalizer that holds no model]: collected unclosed, the conflict checks' hooks leave the model too.
-        # The finalizer holds only the hook handles (weak references to the hook dicts): holding Conflicts.close held
-        # the model, and a model in a reference cycle then outlived the first collection, closed or not.
+        # Note [A finalizer that holds no model] (conflicts.remove_handles): collected unclosed, its hooks go too.
         weakref.finalize(self, remove_handles, *self._conflicts.handle_lists())
 
     # -- properties -------------------------------------------------------------------------------------------
     @property
     def blocks(self) -> list[tuple[str, nn.Module]]:
-        """The (qualified name, module) pairs recorded as blocks."""
+        """The (qualified name, module) pairs recorded as blocks (none after close())."""
         return list(self._blocks)
 
     @property
@@ -399,8 +398,7 @@ class TapeSAC:
             raise TapeSACError("sac.memory_limit can be set only between steps (after the step's `with` block)"
                                if not self._closed else "sac.memory_limit set on a closed TapeSAC; make a new one")
         limit = parse_memory_limit(value, self._device) or 0
-        # The session's and the graphs' limit; preserve="auto" chooses again; policy "auto" re-plans after the next
-        # step.
+        # The session's and the graphs' limit; preserve="auto" chooses again; "auto" re-plans after the next step.
         self._runtime.set_memory_limit(limit)
         self._limit = limit
 
@@ -408,7 +406,7 @@ class TapeSAC:
         """A StepReport of the steps run so far (the last step in detail)."""
         from .report import StepReport
 
-        return StepReport.from_history(self._history, blocks=[n for n, _ in self._blocks], timeline=self._get_timeline(),
+        return StepReport.from_history(self._history, blocks=self._block_names, timeline=self._get_timeline(),
                                        total_steps=self._steps)
 
     def attach(self, optimizer: torch.optim.Optimizer | None = None) -> Attachment:
@@ -423,7 +421,8 @@ class TapeSAC:
         return self._attachment
 
     def close(self) -> None:
-        """Ends any open step and releases the runtime; the model is left exactly as it was."""
+        """Ends any open step and releases the runtime; the model is left exactly as it was, and no longer referenced
+        (a closed TapeSAC held for its report kept the model and its gradients alive: an adversarial test)."""
         if self._closed:
             return
         if self._attachment is not None:
@@ -434,9 +433,11 @@ class TapeSAC:
         self._session.shutdown()
         self._log.close()
         self._closed = True
+        self._model = self._tensors = self._hooks = self._conflicts = self._attachment = None
+        self._blocks = []
 
     def __repr__(self) -> str:
-        return f"TapeSAC(blocks={len(self._blocks)}, policy={self._policy_label!r}, steps={self._steps})"
+        return f"TapeSAC(blocks={len(self._block_names)}, policy={self._policy_label!r}, steps={self._steps})"
 
 
 TapeSAC.__doc__ = (TapeSAC.__doc__ or "").replace("{options}", options_doc())

@@ -7,6 +7,7 @@ Op names are those autograd sees (``tapesac.record_ops`` lists a block's): ``"at
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -110,3 +111,19 @@ def parse_policy(policy: Any) -> tuple[str, str, Callable[[str], bool] | None]:
         f"policy must be one of {list(POLICIES)}, a set of op names, or a callable op_name -> bool; "
         f"got {type(policy).__name__}"
     )
+
+
+def held_weakly(save_op: Any) -> Any:
+    """What the C++ session calls for `save_op`: a function holding it weakly (the TapeSAC holds it). Python's
+    collector cannot see references held in C++, so a policy that refers back to its TapeSAC — a trainer's own method,
+    `policy=self.keep_op` — made a cycle through the session that was never collected, closed or not (an adversarial
+    test: trainer, model, optimizer state and the counting allocator kept for the process's life)."""
+    if save_op is None:
+        return None
+    ref = weakref.ref(save_op)
+
+    def save(op_name: str) -> bool:
+        fn = ref()
+        return False if fn is None else fn(op_name)  # the TapeSAC is going: nothing is decided any more
+
+    return save

@@ -685,6 +685,60 @@ def test_a_model_in_a_reference_cycle_goes_with_one_collection(tapesac, closed) 
     assert [r() is None for r in gone] == [True] * len(gone)
 
 
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_policy_callable_bound_to_its_owner_lets_everything_go(tapesac, closed) -> None:
+    """A trainer passing its own method as the policy (`TapeSAC(self.model, policy=self.keep_op)`) made a cycle through
+    the C++ session (it held the callable; Python's collector cannot see into it): trainer, model, optimizer state and
+    TapeSAC were never freed, closed or not, and the counting allocator stayed installed (adversarial test). The session
+    holds the policy weakly; the TapeSAC holds it."""
+    import gc
+    import weakref
+
+    from tapesac import _C
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+            self.sac = tapesac.TapeSAC(self.model, blocks="blocks.*", policy=self.keep_op)
+
+        def keep_op(self, name: str) -> bool:
+            return name == "aten::addmm"
+
+    t = Trainer()
+    with t.sac.step():
+        t.model(torch.randn(4, M.D)).square().mean().backward()
+    assert t.sac.last_step.dropped_tensors > 0
+    if closed:
+        t.sac.close()
+    gone = [weakref.ref(t), weakref.ref(t.model), weakref.ref(t.sac)]
+    del t
+    gc.collect()
+    assert [r() is None for r in gone] == [True] * 3
+    assert not _C.counting_allocator_installed()
+
+
+def test_a_closed_tapesac_held_for_its_report_keeps_no_model(tapesac) -> None:
+    """close() lets go of the model: a closed TapeSAC kept for its report held the model, its parameters and gradients
+    alive (64 MiB in an adversarial test). Its report, history and repr still work."""
+    import gc
+    import weakref
+
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with sac.step():
+        model(torch.randn(4, M.D)).square().mean().backward()
+    sac.close()
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+    assert sac.report().steps == 1 and sac.last_step.block_calls == 2 and sac.blocks == []
+    assert "blocks=2" in repr(sac)
+    with pytest.raises(tapesac.TapeSACError, match="closed"):
+        with sac.step():
+            pass
+
+
 def test_public_api_misuse_found_by_adversarial_tests_is_typed(tapesac, tmp_path) -> None:
     """Each of these raised an untyped error from deep inside, or left state behind (an adversarial test of the API
     surface): memory_limit set inside a step (refused with a message about schedules, yet enforced from the next

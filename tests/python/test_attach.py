@@ -269,3 +269,32 @@ def test_an_attached_step_whose_backward_raised_ends_at_the_next_forward(tapesac
     with fresh.step():
         fresh_model(small).sum().backward()
     fresh.close()
+
+
+def test_an_optimizer_outliving_a_dropped_attached_tapesac_lets_it_go(tapesac) -> None:
+    """The optimizer's step hook held the attachment, hence the TapeSAC and its model, strongly: an optimizer kept by
+    an LR scheduler kept a TapeSAC dropped without close() — and the process-wide counting allocator — alive for good
+    (an adversarial test). It holds the attachment weakly."""
+    from tapesac import _C
+
+    model = stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    sac.attach(opt)
+    for _ in range(2):
+        default_loss(model, (x_in(),)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert sac.last_step is not None and sac.last_step.dropped_tensors > 0
+    gone = [weakref.ref(sac), weakref.ref(model)]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    del sac, model
+    gc.collect()
+    assert [r() is None for r in gone] == [True, True]
+    assert not _C.counting_allocator_installed()
+    loss = sum(p.square().sum() for p in params)  # the optimizer still steps, with no tapesac left to end a step
+    loss.backward()
+    opt.step()
+    sched.step()

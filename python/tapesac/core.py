@@ -382,7 +382,7 @@ class TapeSAC:
 
     @property
     def plans(self) -> list[dict[str, Any]]:
-        """Every plan made so far (why, after which step, predicted vs measured peak); see ``plan``."""
+        """The last 1,000 plans made (why, after which step, predicted vs measured peak); see ``plan``."""
         return self._runtime.plans
 
     @property

@@ -258,6 +258,7 @@ void Runtime::adopt(PlanInfo info, int64_t baseline, int64_t params_baseline) {
   plan_ = std::move(info);
   plan_baseline_ = baseline;
   plan_params_baseline_ = params_baseline;
+  if (plans_.size() >= kPlansKept) plans_.erase(plans_.begin());
   plans_.push_back(*plan_);
   plans_.back().calls.clear();
 }

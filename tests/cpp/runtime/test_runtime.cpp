@@ -122,6 +122,22 @@ TEST(Runtime, TheFirstStepMeasuresWithoutTheLimitThenEveryStepRunsThePlan) {
   s->shutdown();
 }
 
+TEST(Runtime, PlansOfAlternatingShapesKeepABoundedHistory) {
+  // Found by an adversarial test: two batch shapes alternating plan at every step ("new tape"), and every plan stayed
+  // in plans(): host memory grew step by step. The last kPlansKept are kept.
+  const auto w = torch::randn({kDim, kDim});
+  auto s = make_session(PolicyKind::kPlan);
+  Runtime rt(*s, auto_options(int64_t{1} << 30));
+  const int64_t steps = static_cast<int64_t>(Runtime::kPlansKept) + 5;
+  for (int64_t step = 1; step <= steps; ++step) {
+    rt.after_step(run_step(*s, rt, w, step % 2 == 0 ? 4 : 6), step);
+  }
+  ASSERT_EQ(rt.plans().size(), Runtime::kPlansKept);
+  EXPECT_EQ(rt.plans().back().after_step, steps);
+  EXPECT_EQ(rt.plans().front().after_step, steps - static_cast<int64_t>(Runtime::kPlansKept) + 1);
+  s->shutdown();
+}
+
 TEST(Runtime, AnInfeasibleLimitNamesTheSmallestFeasibleOneWhichPlans) {
   const auto w = torch::randn({kDim, kDim});
   auto s = make_session(PolicyKind::kPlan);

@@ -104,8 +104,11 @@ class Runtime {
 
   /// The plan in use (null before the first plan, after a new limit, or without a planner).
   const PlanInfo* plan() const { return plan_ ? &*plan_ : nullptr; }
-  /// Every plan made so far, oldest first, without their per-call figures.
+  /// The last kPlansKept plans made, oldest first, without their per-call figures.
   const std::vector<PlanInfo>& plans() const { return plans_; }
+  /// Plans kept in plans(): a run whose shapes alternate plans at every step (a smaller last batch per epoch,
+  /// variable-length batches), and an unbounded history grew host memory by ~2.3 MiB per 1,000 steps.
+  static constexpr size_t kPlansKept = 1000;
   /// The planner's frontier (AutoPlanner::frontier). Throws tapesac::Error (kGeneric) without a planner.
   std::vector<FrontierPoint> frontier(int points) const;
   /// The planner (null unless policy "auto" or RuntimeOptions::schedules).

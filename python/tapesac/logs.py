@@ -46,6 +46,8 @@ def _claim(owner: "StepLog", what: str, path: Path | None) -> None:
     if path is None:
         return
     key = path.resolve()
+    for dead in [k for k, ref in _WRITERS.items() if ref() is None or ref().closed]:
+        del _WRITERS[dead]  # one entry per file written by a live StepLog: a run making many TapeSACs keeps none
     other = _WRITERS.get(key)
     holder = other() if other is not None else None
     if holder is not None and holder is not owner and not holder.closed:

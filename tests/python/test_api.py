@@ -855,6 +855,18 @@ def test_config_values_found_by_adversarial_tests(tapesac) -> None:
     sac.close()
 
 
+def test_the_log_writer_registry_keeps_only_open_writers(tapesac, tmp_path) -> None:
+    """The registry of files written by open TapeSACs (one writer per file) kept a dead entry per file ever written:
+    200 after 200 TapeSACs with their own logs (an adversarial test)."""
+    from tapesac import logs
+
+    for i in range(5):
+        tapesac.TapeSAC(M.Stack([M.MLPBlock()]), blocks="blocks.*", log=tmp_path / f"run{i}.jsonl").close()
+    sac = tapesac.TapeSAC(M.Stack([M.MLPBlock()]), blocks="blocks.*", log=tmp_path / "last.jsonl")
+    assert list(logs._WRITERS) == [(tmp_path / "last.jsonl").resolve()]
+    sac.close()
+
+
 def test_a_log_file_has_one_writer(tapesac, tmp_path) -> None:
     """An adversarial test: log= and records= naming one file, or two open TapeSACs logging to one file, were
     accepted, and their interleaved lines made a log StepReport.from_jsonl could not read. Refused at construction;

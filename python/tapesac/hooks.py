@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import sys
 import threading
 
 import torch
@@ -49,6 +50,13 @@ def _foreign_hooks() -> bool:
     """Saved-tensor hooks on top that are not a tapesac session's (Note [Hooks of others])."""
     top = _top_hooks(False)
     return top is not None and getattr(top[0], "__name__", "") != "tapesac_pack"
+
+
+def _exception_in_flight() -> bool:
+    """An exception is being handled: an always-called forward hook runs inside the module call's `except`."""
+    return sys.exc_info()[1] is not None
+
+
 _grad_enabled = torch.is_grad_enabled
 _thread_id = threading.get_ident
 
@@ -121,15 +129,17 @@ class StepHooks:
             if _thread_id() != self._thread:  # Note [other threads]
                 return None
             if self._open and self._open[-1] is module:
-                self._close_top_block()
+                # Called with no output while an exception is in flight: the forward raised (an always-called hook;
+                # Note [A block call whose forward raised], replay/src/block_call.cpp).
+                self._close_top_block(aborted=output is None and _exception_in_flight())
             return None
 
         return post_hook
 
-    def _close_top_block(self) -> None:
+    def _close_top_block(self, aborted: bool = False) -> None:
         """Pops the innermost open block's saved-tensor hooks and closes its block call (also if popping raises)."""
         self._open.pop()
         try:
             _pop_hooks()
         finally:
-            self._session.end_block()
+            self._session.end_block(aborted)

@@ -216,7 +216,13 @@ void BlockCall::release_all() noexcept {
   recorder_.clear();
 }
 
-void BlockCall::close_forward() {
+// Note [A block call whose forward raised]. A block whose forward raises, caught by the model (a kernel or
+// out-of-memory fallback that runs the block again on halves), leaves a partial call: its graph dies with the
+// exception, so it is never backwarded or replayed. It keeps what it saved (its tensors go with the graph) and is kept
+// out of the planner: observed like a complete call, its must-keep bytes and replay entered the planner's floor, and
+// "auto" refused a limit at the no-checkpoint peak (an adversarial test: 122,520 bytes named for 119,448 measured).
+void BlockCall::close_forward(bool aborted) {
+  aborted_ = aborted;
   recorder_.stop();
   {
     // Released outside the lock, and before drop(): the last reference to a saved tensor can free autograd nodes
@@ -282,7 +288,7 @@ KeepDecision BlockCall::decide() {
   for (const Slot& s : slots_) {
     if (s.value >= 0 && !s.released) in.saved.push_back(SavedValue{s.value, s.state});
   }
-  in.capture_failed = !closed_stats_.capture_error.empty();
+  in.capture_failed = !closed_stats_.capture_error.empty() || aborted_;
   in.policy = options_.policy;
   if (in.policy == PolicyKind::kSaveOps) {
     in.keep_op = [this](capture::OpKind k) {
@@ -342,7 +348,7 @@ KeepDecision BlockCall::decide() {
 }
 
 void BlockCall::observe(const KeepDecision& d) {
-  if (ctx_.observer == nullptr || !*ctx_.observer) return;
+  if (ctx_.observer == nullptr || !*ctx_.observer || aborted_) return;
   const std::vector<uint8_t> kept = d.kept_mask();
   try {
     (*ctx_.observer)(BlockTapeView{name_, d.signature, recorder_.tape(), d.decidable, d.must_keep, kept, ctx_.plan_key});

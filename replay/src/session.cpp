@@ -158,10 +158,10 @@ std::shared_ptr<BlockCall> Session::begin_block(const std::string& name) {
   return block;
 }
 
-void Session::end_block() {
+void Session::end_block(bool aborted) {
   if (current_ == nullptr) return;
   std::shared_ptr<BlockCall> block = std::move(current_);  // closed even if deciding keep/drop throws
-  block->close_forward();
+  block->close_forward(aborted);
 }
 
 void Session::end_step() noexcept {

@@ -83,7 +83,8 @@ class BlockCall : public capture::RecorderListener,
   void start_forward();
   /// Ends recording, decides keep/drop for every saved tensor and frees the dropped ones. Recording has stopped
   /// even when it throws (only allocation or the strict contract's checksums can).
-  void close_forward();
+  /// `aborted`: the block's forward raised (Note [A block call whose forward raised]).
+  void close_forward(bool aborted = false);
   /// Called at step end: releases everything; later unpacks throw.
   void close_step() noexcept;
 
@@ -249,6 +250,7 @@ class BlockCall : public capture::RecorderListener,
   std::vector<Slot> slots_;
   std::vector<int32_t> pending_;
   bool forward_closed_ = false;
+  bool aborted_ = false;  // Note [A block call whose forward raised]
   bool step_closed_ = false;
   std::vector<uint8_t> available_;
   std::vector<at::Tensor> live_;

@@ -54,7 +54,8 @@ class Session {
   /// blocks record into the outer one).
   std::shared_ptr<BlockCall> begin_block(const std::string& name);
   /// Closes the open block call started by begin_block (no-op when none); the block is closed even if it throws.
-  void end_block();
+  /// `aborted`: its forward raised (Note [A block call whose forward raised], block_call.cpp).
+  void end_block(bool aborted = false);
   std::shared_ptr<BlockCall> current_block() const { return current_; }
 
   const std::vector<BlockStats>& last_stats() const { return last_stats_; }

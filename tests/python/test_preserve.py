@@ -317,10 +317,9 @@ class _RefillBlock(nn.Module):
         return x + self.l2(torch.tanh(self.l1(x)))
 
 
-def _chunked_refill(chunks: int, after: Callable[[torch.Tensor], None] | None = None) -> Callable[[nn.Module], None]:
-    """An FSDP2-like step: after the forward, a parameter's bytes are freed (untyped_storage().resize_(0)), allocated
-    again and refilled with the same values in `chunks` row slices (shard by shard); `after` then writes the refilled
-    parameter (a real modification), and the backward runs."""
+def _refill_step(refill: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[nn.Module], None]:
+    """An FSDP2-like step: after the forward, a parameter's bytes are freed (untyped_storage().resize_(0)) and
+    allocated again; `refill(w.data, values)` writes them back, and the backward runs."""
 
     def step(m: nn.Module) -> None:
         loss = m(torch.randn(4, 8)).pow(2).sum()
@@ -328,15 +327,25 @@ def _chunked_refill(chunks: int, after: Callable[[torch.Tensor], None] | None = 
         values, n = w.detach().clone(), w.untyped_storage().nbytes()
         w.untyped_storage().resize_(0)
         w.untyped_storage().resize_(n)
-        row = 0
-        for c in values.chunk(chunks):
-            w.data[row:row + c.shape[0]].copy_(c)
-            row += c.shape[0]
-        if after is not None:
-            after(w.data)
+        refill(w.data, values)
         loss.backward()
 
     return step
+
+
+def _chunked_refill(chunks: int, after: Callable[[torch.Tensor], None] | None = None) -> Callable[[nn.Module], None]:
+    """The same values copied back in `chunks` row slices (shard by shard); `after` then writes the refilled
+    parameter (a real modification)."""
+
+    def refill(w: torch.Tensor, values: torch.Tensor) -> None:
+        row = 0
+        for c in values.chunk(chunks):
+            w[row:row + c.shape[0]].copy_(c)
+            row += c.shape[0]
+        if after is not None:
+            after(w)
+
+    return _refill_step(refill)
 
 
 REFILLS = {
@@ -378,26 +387,17 @@ def test_a_parameter_refilled_in_chunks_after_a_free_is_exact(refill: str, prese
         assert torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max().item())
 
 
-def _overlapping_refill(m: nn.Module) -> None:
-    loss = m(torch.randn(4, 8)).pow(2).sum()
-    w = m[1].l1.weight
-    values, n = w.detach().clone(), w.untyped_storage().nbytes()
-    w.untyped_storage().resize_(0)
-    w.untyped_storage().resize_(n)
-    w.data[0:4].copy_(values[0:4])
-    w.data[2:8].copy_(values[2:8])  # rows 2-3 refilled already, rows 4-7 not: neither a refill nor a write
-    loss.backward()
+def _overlapping(w: torch.Tensor, values: torch.Tensor) -> None:
+    w[0:4].copy_(values[0:4])
+    w[2:8].copy_(values[2:8])  # rows 2-3 refilled already, rows 4-7 not: neither a refill nor a write
 
 
-def _strided_refill(m: nn.Module) -> None:
-    loss = m(torch.randn(4, 8)).pow(2).sum()
-    w = m[1].l1.weight
-    values, n = w.detach().clone(), w.untyped_storage().nbytes()
-    w.untyped_storage().resize_(0)
-    w.untyped_storage().resize_(n)
-    w.data[:, 0:4].copy_(values[:, 0:4])  # a column block: not one dense range of bytes
-    w.data[:, 4:8].copy_(values[:, 4:8])
-    loss.backward()
+def _strided(w: torch.Tensor, values: torch.Tensor) -> None:
+    w[:, 0:4].copy_(values[:, 0:4])  # a column block: not one dense range of bytes
+    w[:, 4:8].copy_(values[:, 4:8])
+
+
+_overlapping_refill, _strided_refill = _refill_step(_overlapping), _refill_step(_strided)
 
 
 @pytest.mark.parametrize("step", [_overlapping_refill, _strided_refill], ids=["overlapping", "strided"])

@@ -162,6 +162,7 @@ void bind_session_step(py::class_<Session>& c) {
           "begin_block", [](Session& s, const std::string& name) { return s.begin_block(name) != nullptr; },
           py::arg("name"), "Opens a block call and starts recording; False when a block is already open (nested).")
       .def("end_block", &Session::end_block, py::arg("aborted") = false)
+      .def("forwards_died", &Session::forwards_died)
       .def_property_readonly("block_open", [](const Session& s) { return s.current_block() != nullptr; })
       .def_property_readonly("backward_failed", &Session::backward_failed)
       .def("current_op_names",

@@ -86,9 +86,15 @@ class Attachment:
             if not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return None
             if self._step is not None:
-                if not self._sac._session.backward_failed:
+                session = self._sac._session
+                if session.backward_failed:
+                    self._end_failed()  # the last backward raised in tapesac (the loop skipped that batch): start afresh
+                elif session.forwards_died():
+                    # Note [Forwards whose graph died] (replay/src/session.cpp): the step's forwards trained nothing;
+                    # it ends here (a step in the history, without backward) and this forward starts a new one.
+                    self._end_failed("the step's forwards were never backwarded")
+                else:
                     return None
-                self._end_failed()  # the last backward raised in tapesac (the loop skipped that batch): start afresh
             if self._sac.in_step:
                 return None  # a `with sac.step():` block is open: it owns this forward
             step = self._sac.step()
@@ -111,14 +117,14 @@ class Attachment:
         if step is not None:
             step.__exit__(None, None, None)
 
-    def _end_failed(self) -> None:
+    def _end_failed(self, why: str = "the step's backward failed") -> None:
         """Ends the open step as failed, as when an exception leaves ``with sac.step():`` (its statistics are not
         collected, nothing is raised). Found by an adversarial test: after a MemoryLimitError in an attached step's
         backward, a loop that skipped the batch merged the next one into the failed step, whose optimizer.step()
         raised the error again, and sac.memory_limit could not be set."""
         step, self._step = self._step, None
         if step is not None:
-            step.__exit__(TapeSACError, TapeSACError("the step's backward failed"), None)
+            step.__exit__(TapeSACError, TapeSACError(why), None)
 
     def abandon(self) -> None:
         """Detaches after a failure: an open step ends as failed (as when an exception leaves ``with sac.step():``;

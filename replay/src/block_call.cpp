@@ -108,6 +108,12 @@ int32_t BlockCall::pack(const at::Tensor& t, bool as_itself) {
   return idx;
 }
 
+int BlockCall::forward_died() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slots_.empty()) return -1;
+  return forward_closed_ && alive_slots_ == 0 && closed_stats_.unpacks == 0 ? 1 : 0;
+}
+
 void BlockCall::release(int32_t slot) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   if (step_closed_ || slot < 0 || static_cast<size_t>(slot) >= slots_.size()) return;

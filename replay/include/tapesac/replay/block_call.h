@@ -99,6 +99,10 @@ class BlockCall : public capture::RecorderListener,
 
   const std::string& name() const { return name_; }
   uint64_t signature() const { return signature_; }
+  /// Note [Forwards whose graph died]: 1 when the forward closed, saved tensors, and autograd released every one
+  /// of them without an unpack (the graph died unused); 0 when some is still held or was unpacked; -1 when it
+  /// saved none (nothing tells).
+  int forward_died() const;
   BlockStats stats() const;
   /// Note [dropped values alive elsewhere]. A dropped saved tensor can stay alive without this call: a module stores
   /// it on itself, a later block reads it. Dropping it frees nothing while it is; the peak models, calibrated on a

@@ -57,6 +57,9 @@ class Session {
   /// `aborted`: its forward raised (Note [A block call whose forward raised], block_call.cpp).
   void end_block(bool aborted = false);
   std::shared_ptr<BlockCall> current_block() const { return current_; }
+  /// Note [Forwards whose graph died] (session.cpp): no block call is open, and every block call of the step that
+  /// saved tensors had them all released by autograd without an unpack (at least one did).
+  bool forwards_died() const;
 
   const std::vector<BlockStats>& last_stats() const { return last_stats_; }
   /// Per block call of the last step (last_stats() order), its dropped values that were alive anyway (Note

@@ -7,7 +7,7 @@ and, after ``sac.attach(...)``, the step-free mode's hooks (attach.py) remain, u
 warning; entering a step while one is open raises. Everything that runs per op or per saved tensor is C++
 (``tapesac._C``); this module runs per step. Its parts: the options (config.py), where tapesac applies (blocks.py),
 policies (policy.py), the step's hooks (hooks.py), statistics (stats.py), files (logs.py), warnings (log.py,
-conflicts.py), the step-free mode (attach.py).
+conflicts.py), the step-free mode (attach.py), the C++ session made from the options (session_setup.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from .hooks import StepHooks
 from .log import Once, logger
 from .logs import StepLog
 from .memory import MemoryStats, parse_memory_limit
-from .policy import CallablePolicy, OpSetPolicy, held_weakly, parse_policy
+from .policy import CallablePolicy, OpSetPolicy, parse_policy
 from .preserve import Trial
+from .session_setup import make_session
 from .stats import BlockStats, StepStats, append_to_history, block_stats_from, step_stats_from
 from .step_context import StepContext
 
@@ -62,33 +63,6 @@ def record_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
     if not callable(fn):
         raise ConfigError(f"record_ops expects a callable (a function or an nn.Module), got {type(fn).__name__}")
     return list(_C.record_ops(fn, *args, **kwargs))
-
-
-def _session_for(cfg: Config, policy: str, save_op: Any, limit: int, device: torch.device, backend: str,
-                 device_timing: bool) -> tuple[Any, Any]:
-    """The C++ session of a TapeSAC, and its replay arena's memory pool (CUDA; else None)."""
-    check = cfg.contract != "off"
-    arena_pool, arena = None, None
-    if device.type == "cuda":
-        # One private pool for every replay of this instance: the replay arena (allocator/limit.h).
-        arena_pool = torch.cuda.MemPool()
-        arena = tuple(int(i) for i in arena_pool.id)
-    graph_device = None
-    if backend == "cuda_graph":
-        # Graphs are captured into the replay arena: their static memory is part of it.
-        graph_device = _C.cuda_graph_device(device.index or 0, arena, map_nodes=cfg.graph_timing != "off")
-    elif backend == "emulated_graph":
-        graph_device = _C.emulated_graph_device()
-    preserve = "off" if cfg.preserve == "off" or not check else "snapshots" if cfg.preserve == "snapshots" else "regions"
-    session = _C.Session(policy, held_weakly(save_op), check, check, cfg.contract == "strict", memory_limit=limit,
-                         arena_pool=arena, graph_device=graph_device,
-                         arena_device=(device.index or 0) if device.type == "cuda" else 0, preserve=preserve,
-                         # Device op times (CUPTI, else CUDA events) where the planner uses op costs.
-                         device_timing=device_timing, graph_timing=cfg.graph_timing)
-    if cfg.approx is not None:
-        a = cfg.approx
-        session.set_approx(float(a.fraction), a.method, mlp="mlp" in a.targets, attn="attn" in a.targets, seed=a.seed)
-    return session, arena_pool
 
 
 class TapeSAC:
@@ -122,7 +96,7 @@ class TapeSAC:
         self._save_op = save_op
         check = cfg.contract != "off"
         preserve = cfg.preserve
-        self._session, self._arena_pool = _session_for(
+        self._session, self._arena_pool = make_session(
             cfg, session_policy, save_op, limit or 0, self._device, self.backend,
             device_timing=self._device.type == "cuda" and self._policy_label == "auto")
         self._approx = cfg.approx

@@ -129,9 +129,18 @@ struct WriteWatcher::Entry {
   bool refilling = false;
   bool refill_unknown = false;
   std::vector<std::pair<int64_t, int64_t>> refilled;
+
+  /// Restores of this storage refuse from now on, saying why (ReplayContractError).
+  void refuse(std::string why) {
+    broken = true;
+    broken_why = std::move(why);
+  }
 };
 
 namespace {
+
+constexpr const char* kReallocatedUnseen =
+    "it was reallocated by code no operator call shows (e.g. untyped_storage().resize_()) and ";
 
 /// The bytes [first, second) of its storage a write covers, when the written view covers exactly one dense range of
 /// them (a slice, a row block, the whole tensor); nullopt otherwise (strided or index writes).
@@ -178,18 +187,14 @@ bool WriteWatcher::refills(Entry& e, const char* op, size_t arg, const at::Tenso
       e.refill_unknown = true;
       return true;
     }
-    e.broken = true;
-    e.broken_why = std::string("it was reallocated by code no operator call shows (e.g. untyped_storage().resize_()) "
-                               "and refilled by writes whose bytes tapesac cannot tell apart (") + op + ")";
+    e.refuse(std::string(kReallocatedUnseen) + "refilled by writes whose bytes tapesac cannot tell apart (" + op + ")");
     return false;
   }
   const auto [lo, hi] = *span;
   const int64_t seen = covered_bytes(e.refilled, lo, hi);
   if (seen == hi - lo && hi > lo) return false;  // refilled bytes written again: a write
   if (seen > 0) {
-    e.broken = true;
-    e.broken_why = std::string("it was reallocated by code no operator call shows (e.g. untyped_storage().resize_()) "
-                               "and ") + op + " wrote bytes partly refilled since, partly not";
+    e.refuse(std::string(kReallocatedUnseen) + op + " wrote bytes partly refilled since, partly not");
     return false;
   }
   add_range(e.refilled, lo, hi);
@@ -263,10 +268,7 @@ void WriteWatcher::end() noexcept {
 
 bool WriteWatcher::kept_written(const void* key) const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const c10::Storage& st : written_dropped_) {
-    if (st.unsafeGetStorageImpl() == key) return true;
-  }
-  return false;
+  return written_dropped_.count(key) > 0;
 }
 
 void WriteWatcher::keep_if_written(const at::Tensor& t) {
@@ -341,7 +343,9 @@ void WriteWatcher::see(const char* name, c10::ArrayRef<c10::IValue> inputs,
       if (!t.defined() || !t.has_storage()) return;
       const void* key = capture::storage_key(t);
       if (auto d = dropped_.find(key); d != dropped_.end()) {  // keep_if_written()
-        if (c10::intrusive_ptr<c10::StorageImpl> impl = d->second.lock()) written_dropped_.emplace_back(std::move(impl));
+        if (c10::intrusive_ptr<c10::StorageImpl> impl = d->second.lock()) {
+          written_dropped_.emplace(key, c10::Storage(std::move(impl)));
+        }
         dropped_.erase(d);
       }
       auto e = entries_.find(key);
@@ -354,6 +358,44 @@ void WriteWatcher::see(const char* name, c10::ArrayRef<c10::IValue> inputs,
       for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
     }
   }
+}
+
+WriteWatcher::Write WriteWatcher::region_write(const char* op, c10::ArrayRef<c10::IValue> inputs, size_t arg,
+                                               const at::Tensor& target) {
+  Write w;
+  w.kind = region_kind(op, arg);
+  w.offset = target.storage_offset();
+  w.sizes = target.sizes().vec();
+  w.strides = target.strides().vec();
+  w.dtype = target.scalar_type();
+  switch (w.kind) {
+    case RegionKind::kIndexPut:
+      for (const c10::IValue& i : inputs.at(1).toListRef()) {
+        w.indices.push_back(i.isTensor() ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
+      }
+      break;
+    case RegionKind::kIndexDim:
+    case RegionKind::kScatter:
+      w.dim = inputs.at(1).toInt();
+      w.index = inputs.at(2).toTensor().clone();
+      break;
+    case RegionKind::kMasked:
+      w.mask = inputs.at(1).toTensor().clone();
+      break;
+    case RegionKind::kView:
+      break;
+  }
+  w.old = take(w, target);
+  return w;
+}
+
+int64_t WriteWatcher::held_bytes(const Write& w) {
+  int64_t n = view_bytes(w.old) + view_bytes(w.index) + view_bytes(w.mask);
+  for (size_t k = 0; k < w.indices.size(); ++k) {
+    const std::optional<at::Tensor> i = w.indices.get(k);
+    if (i.has_value()) n += view_bytes(*i);
+  }
+  return n;
 }
 
 void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IValue> inputs, size_t arg,
@@ -371,9 +413,8 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
     e.nbytes = static_cast<int64_t>(target.storage().nbytes());
     e.data = target.storage().data();
     if (e.count > 0 && !e.broken) {
-      e.broken = true;
-      e.broken_why = "the storage was reallocated (resized) after " + std::to_string(e.count) +
-                     " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())";
+      e.refuse("the storage was reallocated (resized) after " + std::to_string(e.count) +
+               " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())");
     }
     e.refilling = true;
     e.refill_unknown = false;
@@ -396,40 +437,12 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
         e.snapshots.emplace_back(e.count, std::move(bytes));
       }
     } else if (!e.broken) {
-      Write w;
-      w.kind = region_kind(op.c_str(), arg);
-      w.offset = target.storage_offset();
-      w.sizes = target.sizes().vec();
-      w.strides = target.strides().vec();
-      w.dtype = target.scalar_type();
-      switch (w.kind) {
-        case RegionKind::kIndexPut:
-          for (const c10::IValue& i : inputs.at(1).toListRef()) {
-            w.indices.push_back(i.isTensor() ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
-          }
-          break;
-        case RegionKind::kIndexDim:
-        case RegionKind::kScatter:
-          w.dim = inputs.at(1).toInt();
-          w.index = inputs.at(2).toTensor().clone();
-          break;
-        case RegionKind::kMasked:
-          w.mask = inputs.at(1).toTensor().clone();
-          break;
-        case RegionKind::kView:
-          break;
-      }
-      w.old = take(w, target);
-      e.stats.held_bytes += view_bytes(w.old) + view_bytes(w.index) + view_bytes(w.mask);
-      for (size_t k = 0; k < w.indices.size(); ++k) {
-        const std::optional<at::Tensor> i = w.indices.get(k);
-        if (i.has_value()) e.stats.held_bytes += view_bytes(*i);
-      }
+      Write w = region_write(op.c_str(), inputs, arg, target);
+      e.stats.held_bytes += held_bytes(w);
       e.writes.push_back(std::move(w));
     }
   } catch (const std::exception& ex) {
-    e.broken = true;
-    e.broken_why = std::string("saving the region of ") + op + " failed: " + ex.what();
+    e.refuse(std::string("saving the region of ") + op + " failed: " + ex.what());
   }
   busy_ = false;
   ++e.count;

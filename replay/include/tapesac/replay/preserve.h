@@ -159,6 +159,10 @@ class WriteWatcher : private capture::CallObserver {
   /// Removes the hook or the callback (owner thread).
   void detach() noexcept;
   static at::Tensor take(const Write& w, const at::Tensor& region);
+  /// The region `op` is about to write in `target` (its argument `arg`), with the bytes it overwrites.
+  static Write region_write(const char* op, c10::ArrayRef<c10::IValue> inputs, size_t arg, const at::Tensor& target);
+  /// Bytes a saved write holds (the overwritten values, its indices or mask).
+  static int64_t held_bytes(const Write& w);
   static void put(const Write& w, at::Tensor& region, const at::Tensor& values);
   void attach();
   /// A call from user code: saves what it is about to write on watched storages.
@@ -177,7 +181,7 @@ class WriteWatcher : private capture::CallObserver {
   std::recursive_mutex swap_mu_;
   std::unordered_map<const void*, std::unique_ptr<Entry>> entries_;
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> dropped_;  // keep_if_written()
-  std::vector<c10::Storage> written_dropped_;  // dropped storages written while alive: held until end()
+  std::unordered_map<const void*, c10::Storage> written_dropped_;  // dropped storages written while alive: held until end()
   std::unordered_map<const char*, std::vector<bool>> writes_by_name_;
   std::unordered_set<const char*> operator_names_;  // see operator_call()
   at::CallbackHandle callback_ = 0;

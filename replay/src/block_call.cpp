@@ -33,7 +33,10 @@ BlockCall::BlockCall(std::string name, BlockContext context)
 BlockCall::~BlockCall() { recorder_.stop(); }
 
 void BlockCall::start_forward() {
-  if (ctx_.watcher) ctx_.watcher->resume();
+  if (ctx_.watcher) {
+    ctx_.watcher->resume();
+    ctx_.watcher->check_allocations();  // Note [a storage reallocated unseen] (preserve.cpp)
+  }
   if (ctx_.memory) {
     ctx_.memory->counter().set_phase(allocator::Phase::kForward);
     forward_begin_ns_ = ctx_.memory->elapsed_ns();

@@ -155,6 +155,7 @@ void BlockCall::replay_for(ValueId wanted) {
     remaining_ = handles_;
     restart_schedule();
   }
+  if (ctx_.watcher) ctx_.watcher->check_allocations();  // Note [a storage reallocated unseen] (preserve.cpp)
   SegmentInputs in = segment_inputs(wanted);
   const std::vector<at::Tensor>& base_live = in.live.empty() ? live_ : in.live;
   // Declared before the replay's tensors: the step's bytes are swapped back in only after the replay ends.

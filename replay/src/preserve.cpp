@@ -2,12 +2,15 @@
 #include "tapesac/replay/preserve.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/COW.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "tapesac/capture/dispatch_hook.h"
@@ -129,6 +132,13 @@ struct WriteWatcher::Entry {
   bool refilling = false;
   bool refill_unknown = false;
   std::vector<std::pair<int64_t, int64_t>> refilled;
+  // Note [a storage reallocated unseen], seen freed: the HeldAllocation the entry owns a share of (nullptr: none).
+  void* held = nullptr;
+
+  Entry() = default;
+  Entry(const Entry&) = delete;
+  Entry& operator=(const Entry&) = delete;
+  ~Entry();
 
   /// Restores of this storage refuse from now on, saying why (ReplayContractError).
   void refuse(std::string why) {
@@ -172,7 +182,113 @@ void add_range(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t lo, int
   ranges = std::move(merged);
 }
 
+
+// Note [a storage reallocated unseen], seen freed. The reallocation is no operator call, and when the allocator hands
+// the same block back (same address, same size, same StorageImpl: glibc after some allocation histories, a caching
+// allocator often) nothing about the storage shows it — the refill was then saved as a write, and the replay read
+// what the block held before the refill (glibc's free-list pointers over its first 16 bytes; random programs 166 and
+// 396 before the generator avoided it). Two ways to see it:
+// - a CPU storage of the process's CPU allocator: while watched, its DataPtr is the watcher's HeldAllocation, which
+//   owns the allocator's DataPtr and records its free (the data pointer is unchanged; end() puts the allocator's
+//   DataPtr back). Not for other allocators (CUDA's caching allocator and pinned host memory find their blocks through
+//   the DataPtr's context and deleter: record_stream would silently skip a held one) nor copy-on-write storages;
+// - any storage: check_allocations() at block boundaries finds it empty or moved (FSDP2 frees a parameter after its
+//   block's forward and refills it before its backward, with other blocks in between). A free and a same-address
+//   refill with no boundary between them stay unseen on those storages (README, Limits and guarantees).
+//   The HeldAllocation has two owners, the storage's DataPtr and the entry: whichever lets go last deletes it.
+struct HeldAllocation {
+  at::DataPtr original;
+  std::atomic<bool> freed{false};  // the storage let go of the allocation (freed or reallocated)
+  std::atomic<int> owners{2};
+  bool released = false;  // original handed back by release_allocation(): the storage's letting go is no free
+};
+
+void let_go(HeldAllocation* h) {
+  if (h->owners.fetch_sub(1, std::memory_order_acq_rel) == 1) delete h;
+}
+
+void free_held(void* ctx) {
+  auto* h = static_cast<HeldAllocation*>(ctx);
+  if (!h->released) {
+    h->original = at::DataPtr();  // the allocation goes now, with its allocator's deleter
+    h->freed.store(true, std::memory_order_release);
+  }
+  let_go(h);
+}
+
 }  // namespace
+
+WriteWatcher::Entry::~Entry() {
+  if (held != nullptr) let_go(static_cast<HeldAllocation*>(held));
+}
+
+void WriteWatcher::hold_allocation(Entry& e, c10::StorageImpl& s) {
+  if (e.held != nullptr) let_go(static_cast<HeldAllocation*>(e.held));
+  e.held = nullptr;
+  at::DataPtr& dp = s._mutable_data_ptr_no_checks();
+  if (dp.get() == nullptr || dp.device().type() != c10::kCPU || !s.resizable() || dp.get_deleter() == &free_held ||
+      c10::impl::cow::is_cow_data_ptr(dp)) {
+    return;  // nothing allocated, another device, held by another watcher (another session's step), copy-on-write
+  }
+  if (s.allocator() != c10::GetCPUAllocator() && s.allocator() != c10::GetDefaultCPUAllocator()) return;
+  auto* h = new HeldAllocation{std::move(dp)};
+  dp = at::DataPtr(h->original.get(), h, &free_held, h->original.device());
+  e.held = h;
+}
+
+void WriteWatcher::release_allocation(Entry& e) noexcept {
+  if (e.held == nullptr || !e.storage) return;
+  c10::intrusive_ptr<c10::StorageImpl> s = e.storage->lock();
+  if (!s) return;
+  at::DataPtr& dp = s->_mutable_data_ptr_no_checks();
+  if (dp.get_context() != e.held || dp.get_deleter() != &free_held) return;  // let go of since
+  auto* h = static_cast<HeldAllocation*>(e.held);
+  h->released = true;
+  at::DataPtr original = std::move(h->original);
+  dp = std::move(original);  // the storage lets go of h
+}
+
+bool WriteWatcher::allocation_changed(Entry& e, c10::StorageImpl& s) {
+  const bool freed =
+      e.held != nullptr && static_cast<HeldAllocation*>(e.held)->freed.load(std::memory_order_acquire);
+  const auto nbytes = static_cast<int64_t>(s.nbytes());
+  const void* data = s._mutable_data_ptr_no_checks().get();
+  if (!freed && nbytes == e.nbytes && data == e.data) return false;
+  // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
+  // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
+  // operator call, so the watcher sees only the refill. The bytes before the refill are not the forward's (they are
+  // fresh memory): saving them would hand the replay garbage (test_distributed.py::test_fsdp2[full], NaN
+  // gradients). A write into a storage whose allocation changed since it was watched is therefore not saved and
+  // not counted: the replay reads the bytes as they are after it, as plain autograd does. Writes saved before the
+  // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
+  e.nbytes = nbytes;
+  e.data = data;
+  if (e.count > 0 && !e.broken) {
+    e.refuse("the storage was reallocated (resized) after " + std::to_string(e.count) +
+             " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())");
+  }
+  e.refilling = true;
+  e.refill_unknown = false;
+  e.refilled.clear();
+  hold_allocation(e, s);  // lets go of the old hold; the new allocation's free is seen too (a second microbatch)
+  return true;
+}
+
+void WriteWatcher::check_allocations() noexcept {
+  // Only the storages not held when first watched: a held one's reallocation frees what is held, which its next
+  // write sees (save()).
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Entry* e : unheld_) {
+    if (!e->storage) continue;
+    c10::intrusive_ptr<c10::StorageImpl> s = e->storage->lock();
+    if (!s) continue;
+    try {
+      allocation_changed(*e, *s);
+    } catch (const std::exception&) {
+      // Only holding the new allocation can fail (out of host memory): its free is then seen at boundaries only.
+    }
+  }
+}
 
 bool WriteWatcher::refills(Entry& e, const char* op, size_t arg, const at::Tensor& target, bool first) {
   // Note [a storage reallocated unseen], refilled in pieces: FSDP2 copies a parameter back in one write, but a refill
@@ -261,6 +377,8 @@ void WriteWatcher::end() noexcept {
   if (attached_) detach();
   if (t_watcher == this) t_watcher = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, e] : entries_) release_allocation(*e);
+  unheld_.clear();
   entries_.clear();
   dropped_.clear();
   written_dropped_.clear();
@@ -400,27 +518,9 @@ int64_t WriteWatcher::held_bytes(const Write& w) {
 
 void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IValue> inputs, size_t arg,
                         const at::Tensor& target) {
-  // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
-  // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
-  // operator call, so the watcher sees only the refill. The bytes before the refill are not the forward's (they are
-  // fresh memory): saving them would hand the replay garbage (test_distributed.py::test_fsdp2[full], NaN
-  // gradients). A write into a storage whose allocation changed since it was watched is therefore not saved and
-  // not counted: the replay reads the bytes as they are after it, as plain autograd does. Writes saved before the
-  // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
-  const bool moved =
-      static_cast<int64_t>(target.storage().nbytes()) != e.nbytes || target.storage().data() != e.data;
-  if (moved) {
-    e.nbytes = static_cast<int64_t>(target.storage().nbytes());
-    e.data = target.storage().data();
-    if (e.count > 0 && !e.broken) {
-      e.refuse("the storage was reallocated (resized) after " + std::to_string(e.count) +
-               " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())");
-    }
-    e.refilling = true;
-    e.refill_unknown = false;
-    e.refilled.clear();
-  }
-  if (e.refilling && refills(e, op.c_str(), arg, target, moved)) return;
+  allocation_changed(e, *target.storage().unsafeGetStorageImpl());  // Note [a storage reallocated unseen]
+  const bool first = e.refilled.empty() && !e.refill_unknown;
+  if (e.refilling && refills(e, op.c_str(), arg, target, first)) return;
   const int64_t t0 = now_ns();
   const int64_t held_before = e.stats.held_bytes;
   busy_ = true;
@@ -466,6 +566,8 @@ int64_t WriteWatcher::watch(const at::Tensor& t) {
     e->storage.emplace(t.storage().getWeakStorageImpl());
     e->stats.key = capture::storage_key(t);
     e->stats.nbytes = e->nbytes;
+    hold_allocation(*e, *t.storage().unsafeGetStorageImpl());  // Note [a storage reallocated unseen], seen freed
+    if (e->held == nullptr) unheld_.push_back(e.get());
   }
   e->last_mark = e->count;
   return e->count;

@@ -337,7 +337,8 @@ class DataWrite:
     """A `.data` write (the version counter does not move) of `target` of block `block` — "weight" (its first
     Linear's weight) or "input" (the tensor the block was called with) — scaled by `factor`, made `where`:
     "forward" right after the block's forward, "backward" when the gradient of the block's output arrives (before
-    the block's backward), "between" between the step's two backward passes."""
+    the block's backward), "between" between the step's two backward passes; a refill also "split" (freed after the
+    forward, refilled when the gradient of the block's output arrives)."""
 
     where: str
     block: int
@@ -522,14 +523,17 @@ class Program:
 
     def _with_refills(self) -> "Program":
         """A block's weight freed and refilled as FSDP2 does around its backward (untyped_storage().resize_(0), then
-        resize_(n) at another address and the same values copied back), in 1-3 row slices, then maybe written for real
+        resize_(n), at the allocator's choice of address, and the same values copied back), in 1-3 row slices — both
+        right after the block's forward, both before its backward, or "split": freed after the forward, refilled
+        before the backward (FSDP2's order) —, then maybe written for real
         (`*= factor`, 1.0: none); from its own RNG, in programs of their own. The reallocation is no operator call: writes into bytes not
         written since refill them (Note [a storage reallocated unseen], replay/src/preserve.cpp; the second slice's
         bytes before the write — fresh memory — were restored for the replay before)."""
         rng = random.Random(f"refill-{self.seed}")
         if self.data_writes or rng.random() >= 0.08:
             return self
-        write = DataWrite(where=rng.choice(["forward", "backward"]), block=rng.randrange(len(self.blocks)),
+        wheres = ["forward", "backward"] + ([] if self.repeat_first else ["split"])  # split: the block runs once
+        write = DataWrite(where=rng.choice(wheres), block=rng.randrange(len(self.blocks)),
                           target="weight", factor=rng.choice([1.0, 1.0, 0.5, -1.0]), refill=rng.choice([1, 2, 3]))
         return dataclasses.replace(self, data_writes=(write,),
                                    contract="check" if self.contract == "off" else self.contract)
@@ -881,6 +885,7 @@ class ProgramModel(nn.Module):
         self.program = program
         self.stem = nn.Linear(d, d) if program.stem else None
         self.blocks = nn.ModuleList(RandomBlock(ops, program.shape, program.tuple_out) for ops in program.blocks)
+        self.freed: dict[DataWrite, tuple[torch.Tensor, int]] = {}  # refills freed and not refilled yet
 
     def _call(self, blk: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if blk.ops and blk.ops[0].kind == "input_inplace" and h.requires_grad:
@@ -900,29 +905,33 @@ class ProgramModel(nn.Module):
         first_linear = next(str(i) for i, op in enumerate(blk.ops) if op.kind == "linear")  # op 0, or 1 after an input write
         return blk.mods[first_linear].weight if w.target == "weight" else self.block_inputs[w.block]
 
-    def data_write(self, w: DataWrite) -> None:
+    def data_write(self, w: DataWrite, phase: str = "both") -> None:
+        """`phase` for refills: "free", "refill" (the values kept at the free; once) or "both"."""
         t = self.write_target(w)
         if w.refill:
-            values, n, old = t.detach().clone(), t.untyped_storage().nbytes(), t.untyped_storage().data_ptr()
-            t.untyped_storage().resize_(0)
-            t.untyped_storage().resize_(n)
-            # Reallocated at the same address, the watcher cannot see the reallocation (open: Note [a storage
-            # reallocated unseen]; README): the freed block is taken by another tensor until the refill lands elsewhere.
-            taken = []
-            while t.untyped_storage().data_ptr() == old and len(taken) < 16:
+            # Note [a storage reallocated unseen]: the refill may land at the freed block's address (glibc after some
+            # allocation histories): the watcher sees the free itself (it holds CPU allocations while watching them).
+            if phase in ("free", "both"):
+                self.freed[w] = (t.detach().clone(), t.untyped_storage().nbytes())
                 t.untyped_storage().resize_(0)
-                taken.append(torch.empty(n, dtype=torch.uint8))
+            if phase in ("refill", "both") and w in self.freed:
+                values, n = self.freed.pop(w)
                 t.untyped_storage().resize_(n)
-            row = 0
-            for c in values.chunk(w.refill):
-                t.data[row:row + c.shape[0]].copy_(c)
-                row += c.shape[0]
-            if w.factor != 1.0:
-                t.data.mul_(w.factor)
+                row = 0
+                for c in values.chunk(w.refill):
+                    t.data[row:row + c.shape[0]].copy_(c)
+                    row += c.shape[0]
+                if w.factor != 1.0:
+                    t.data.mul_(w.factor)
         elif w.replace:
             t.data = t.data * w.factor  # a new storage: the tensor's data is replaced, no version moves
         else:
             t.data.mul_(w.factor)  # through .data: the version counter does not move
+
+    def refill_pending(self) -> None:
+        """Refills the "split" refills whose block's backward did not run (a forward without backward)."""
+        for w in list(self.freed):
+            self.data_write(w, "refill")
 
     def _after_block(self, i: int, h: torch.Tensor) -> None:
         for w in self.program.data_writes:
@@ -932,6 +941,9 @@ class ProgramModel(nn.Module):
                 self.data_write(w)
             elif w.where == "backward" and h.requires_grad:
                 h.register_hook(lambda g, w=w: self.data_write(w))
+            elif w.where == "split" and h.requires_grad:  # FSDP2's pattern: freed now, refilled before its backward
+                self.data_write(w, "free")
+                h.register_hook(lambda g, w=w: self.data_write(w, "refill"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for blk in self.blocks:  # Program._with_retries: the block raises on its first call of each forward
@@ -1057,6 +1069,7 @@ def run_step(model: "ProgramModel", program: Program, x: torch.Tensor) -> torch.
         (loss + 0.1 * penalty).backward()
     else:
         raise KeyError(shape)
+    model.refill_pending()
     return loss.detach()
 
 
@@ -1083,6 +1096,7 @@ def run_auto(model: nn.Module, program: Program, auto: AutoLimit, limit: int, in
                 torch.manual_seed(RUN_SEED)
                 with sac.step():
                     model(make_input(program))  # grad enabled, no backward
+                model.refill_pending()
             for i in range(auto.steps):  # the measuring step, then the planned one(s)
                 model.load_state_dict(initial)
                 model.zero_grad(set_to_none=True)
@@ -1181,6 +1195,7 @@ def random_op_set(model: nn.Module, program: Program) -> frozenset[str]:
             names = sorted(set(tapesac.record_ops(model, make_input(program))))
         except tapesac.CaptureError:  # a `.data = ...` inside a block (data_write_saved): recording stops there
             names = ["aten::addmm", "aten::linear", "aten::tanh"]  # every block starts with linear, tanh
+    model.refill_pending()
     model.load_state_dict(state)
     model.zero_grad(set_to_none=True)
     rng = random.Random(program.op_set_seed)

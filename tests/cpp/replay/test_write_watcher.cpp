@@ -3,6 +3,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/native/Resize.h>
+#include <c10/core/CPUAllocator.h>
+
 #include "tapesac/replay/preserve.h"
 
 namespace tapesac::replay {
@@ -85,6 +93,100 @@ TEST(WriteWatcher, PauseAndResumeOnTheOwningThread) {
   bank.add_(1.0);
   EXPECT_EQ(w.writes_since(bank, mark), 2);
   w.end();
+}
+
+// Note [a storage reallocated unseen], at the same address. An allocator that hands back the one block it owns, as
+// glibc or a caching allocator can after a free: the reallocation keeps the address, the size and the StorageImpl,
+// and the bytes in between are the allocator's (glibc's free-list pointers), not the forward's.
+struct SameBlockAllocator final : c10::Allocator {
+  explicit SameBlockAllocator(size_t n) : block(n) {}
+  c10::DataPtr allocate(size_t n) override {
+    if (in_use || n != block.size()) return c10::GetDefaultCPUAllocator()->allocate(n);
+    in_use = true;
+    return {block.data(), this, &release, c10::Device(c10::kCPU)};
+  }
+  static void release(void* self) { static_cast<SameBlockAllocator*>(self)->in_use = false; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+  std::vector<char> block;
+  bool in_use = false;
+};
+
+/// A float tensor of `n` elements on a resizable storage of `alloc`, holding 1, 2, ..., n.
+at::Tensor on_allocator(c10::Allocator* alloc, int64_t n) {
+  c10::Storage s(c10::Storage::use_byte_size_t(), n * 4, alloc, /*resizable=*/true);
+  at::Tensor t = at::empty({0}).set_(s, 0, {n}, {1});
+  t.copy_(at::arange(1, n + 1, at::kFloat));
+  return t;
+}
+
+/// FSDP2's pattern on `t`: freed after the forward, `between` runs, then reallocated (the allocator's bytes scribbled
+/// over it, as a free list does) and refilled with the forward's values by an operator call. Returns what a replay
+/// restoring t as of `mark` reads.
+at::Tensor free_and_refill(WriteWatcher& w, at::Tensor& t, int64_t mark, const std::function<void()>& between) {
+  const at::Tensor values = t.clone();
+  const size_t n = t.storage().nbytes();
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+  between();
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), n);
+  std::memset(t.storage().mutable_data(), 0x5a, 16);
+  t.copy_(values);  // the refill: an operator call the watcher sees
+  if (w.writes_since(t, mark) == 0) return t.clone();  // nothing to undo: the replay reads t (ReplayContract)
+  std::string why;
+  WriteWatcher::Restored r = w.restore(t, mark, 0, &why);
+  EXPECT_TRUE(r.copy.defined() || r.swap) << why;
+  return r.swap ? t.clone() : r.copy.clone();  // a Swap puts t's regions back when r goes
+}
+
+TEST(WriteWatcher, AStorageFreedAndHandedBackAtItsAddressIsSeenReallocated) {
+  // A CPU storage of the process's CPU allocator: its free is seen as it happens (the watcher holds its allocation).
+  for (PreserveMode mode : {PreserveMode::kRegions, PreserveMode::kSnapshots}) {
+    SameBlockAllocator alloc(64);
+    c10::Allocator* before = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&alloc, /*priority=*/255);
+    {
+      WriteWatcher w(mode);
+      w.install();
+      at::Tensor t = on_allocator(&alloc, 16);
+      const at::Tensor forward = t.clone();
+      const int64_t mark = w.watch(t);
+      const at::Tensor read = free_and_refill(w, t, mark, [] {});
+      EXPECT_EQ(t.data_ptr(), static_cast<void*>(alloc.block.data()));
+      EXPECT_TRUE(at::equal(read, forward)) << "the replay read the allocator's bytes";
+      EXPECT_EQ(w.writes_since(t, mark), 0) << "the refill was saved as a write";
+      w.end();
+    }
+    c10::SetCPUAllocator(before, /*priority=*/255);
+  }
+}
+
+TEST(WriteWatcher, AStorageSeenFreedAtABlockBoundaryIsSeenReallocated) {
+  // A storage the watcher cannot hold the allocation of (another allocator: CUDA's caching allocator, pinned memory):
+  // a free is seen when a block boundary finds the storage empty (check_allocations), then the refill is one.
+  SameBlockAllocator alloc(64);
+  WriteWatcher w(PreserveMode::kRegions);
+  w.install();
+  at::Tensor t = on_allocator(&alloc, 16);
+  const at::Tensor forward = t.clone();
+  const int64_t mark = w.watch(t);
+  const at::Tensor read = free_and_refill(w, t, mark, [&w] { w.check_allocations(); });
+  EXPECT_TRUE(at::equal(read, forward)) << "the replay read the allocator's bytes";
+  EXPECT_EQ(w.writes_since(t, mark), 0) << "the refill was saved as a write";
+  w.end();
+}
+
+TEST(WriteWatcher, AWatchedStorageKeepsItsAllocatorsDeleterAfterTheStep) {
+  // The watcher's hold on a CPU allocation lasts while the storage is watched: end() puts the allocator's own
+  // deleter back (code that inspects it, e.g. shared-memory checks, sees the storage as it was).
+  at::Tensor t = at::ones({64});
+  const c10::DeleterFnPtr deleter = t.storage().data_ptr().get_deleter();
+  void* const ctx = t.storage().data_ptr().get_context();
+  WriteWatcher w(PreserveMode::kRegions);
+  w.install();
+  w.watch(t);
+  w.end();
+  EXPECT_EQ(t.storage().data_ptr().get_deleter(), deleter);
+  EXPECT_EQ(t.storage().data_ptr().get_context(), ctx);
+  EXPECT_EQ(t.sum().item<float>(), 64.0f);
 }
 
 }  // namespace

@@ -105,6 +105,12 @@ class WriteWatcher : private capture::CallObserver {
   /// Stops seeing writes and releases everything saved. Never throws.
   void end() noexcept;
 
+  /// Note [a storage reallocated unseen]: looks at every watched storage's allocation (its bytes and address) and
+  /// marks the ones that changed since as reallocated, so their next writes are refills. Called at block boundaries
+  /// (a block's forward starting, a replay starting): FSDP2 frees a parameter after its block's forward and
+  /// reallocates it before its backward, with other blocks in between. Never throws.
+  void check_allocations() noexcept;
+
   /// A replay will read `t`: from now on, writes to its storage are saved. Returns the mark to restore to (the
   /// number of writes already seen on the storage).
   int64_t watch(const at::Tensor& t);
@@ -174,12 +180,20 @@ class WriteWatcher : private capture::CallObserver {
   /// True when a write into a storage reallocated unseen refills bytes not written since (not saved, not counted);
   /// `first`: the write that showed the reallocation (Note [a storage reallocated unseen]).
   static bool refills(Entry& e, const char* op, size_t arg, const at::Tensor& target, bool first);
+  /// Note [a storage reallocated unseen], seen freed (preserve.cpp): puts the watcher's hold on a CPU allocator's
+  /// allocation, so that its free is counted; release_allocation() gives the allocator's DataPtr back.
+  static void hold_allocation(Entry& e, c10::StorageImpl& s);
+  static void release_allocation(Entry& e) noexcept;
+  /// True (and the entry marked reallocated: its next writes refill) when the storage's allocation is no longer the
+  /// one the entry last saw: freed while held, or another size or address.
+  static bool allocation_changed(Entry& e, c10::StorageImpl& s);
 
   PreserveMode mode_;
   std::unordered_map<const void*, PreserveMode> overrides_;
   mutable std::mutex mu_;
   std::recursive_mutex swap_mu_;
   std::unordered_map<const void*, std::unique_ptr<Entry>> entries_;
+  std::vector<Entry*> unheld_;  // entries whose allocation was not held when watched: check_allocations() checks them
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> dropped_;  // keep_if_written()
   std::unordered_map<const void*, c10::Storage> written_dropped_;  // dropped storages written while alive: held until end()
   std::unordered_map<const char*, std::vector<bool>> writes_by_name_;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <functional>
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -646,11 +647,20 @@ int64_t GraphCache::static_bytes() const {
 }
 
 int64_t GraphCache::pending_bytes() const {
+  // Only what can still be captured: at most the graphs the cache has room for (max_graphs), the largest first. A
+  // key refused because the cache is full stays refused, and every plan reserved its bytes (an adversarial test:
+  // 99 MB reserved for 1 MB of graphs after 300 shapes).
   std::lock_guard<std::mutex> lock(mu_);
-  int64_t total = 0;
+  const size_t room = options_.max_graphs > captured_ ? options_.max_graphs - captured_ : 0;
+  std::vector<int64_t> pending;
   for (const auto& [key, e] : entries_) {
-    if (!e->exec && e->failed == GraphFallback::kNone) total += e->bytes;
+    if (!e->exec && e->failed == GraphFallback::kNone && e->bytes > 0) pending.push_back(e->bytes);
   }
+  const size_t n = std::min(room, pending.size());
+  std::partial_sort(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(n), pending.end(),
+                    std::greater<int64_t>());
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) total += pending[i];
   return captured_ == 0 && total > 0 ? total + device_->capture_overhead_bytes() : total;
 }
 

@@ -2,7 +2,8 @@
 // graphs not captured yet.
 //
 // Note [Graph reserve]. A captured graph's static memory stays for every later step, so it must fit beside the
-// plan. When graphs are pending (GraphCache::pending_bytes > 0, measured on their warm-up replays):
+// plan. When graphs are pending (GraphCache::pending_bytes > 0, measured on their warm-up replays; only as many as
+// the cache still has room for, the largest):
 //   * a plan that keeps everything replays nothing and needs no graph: capture is switched off, no reserve;
 //   * otherwise the plan is made under budget - pending: when some plan fits, capture is switched on and the
 //     reserve is part of the predicted peak;

@@ -96,7 +96,9 @@ ResolvedLive ReplayContract::resolve_live(const Tape& tape, const std::vector<ui
       }
       uint32_t now = live[v].unsafeGetTensorImpl()->version_counter().current_version();
       // Writes the watcher saw that bypassed the version counter (through `.data` or another detached alias).
-      const int64_t seen = watcher_ ? watcher_->writes_since(live[v], marks_[v]) : 0;
+      std::string unfilled;
+      const int64_t seen = watcher_ ? watcher_->writes_since(live[v], marks_[v], &unfilled) : 0;
+      if (!unfilled.empty()) reject_unfilled(tape, i, live[v], a.value, wanted, unfilled);
       // Note [A replaced storage's version]. The version counter belongs to the tensor, and follows it to the
       // storage `.data = ...` or set_ gave it: every set_ and every write to the new storage moves it, none touches
       // the bytes the replay reads (the forward's storage, held in `live`). There, only the writes the watcher saw
@@ -109,6 +111,18 @@ ResolvedLive ReplayContract::resolve_live(const Tape& tape, const std::vector<ui
     }
   }
   return out;
+}
+
+void ReplayContract::reject_unfilled(const Tape& tape, capture::OpIndex i, const at::Tensor& t, ValueId v,
+                                     ValueId wanted, const std::string& why) const {
+  std::ostringstream msg;
+  msg << "tapesac: replaying block '" << block_ << "' needs a tensor (" << value_label(v) << ", "
+      << describe_tensor(t) << ", input of " << op_label(tape, i) << ") whose bytes are no longer the forward's: "
+      << why << ". Give a freed tensor its bytes back before the backward needs them (FSDP2 refills a parameter "
+         "before its block's backward), or keep the block's activations for it (e.g. policy=\"none\" for that "
+         "block).";
+  sink_->record(wanted, "rejected", 0, 0, msg.str());
+  throw Error(ErrorKind::kReplayContract, msg.str());
 }
 
 bool ReplayContract::recover(const Tape& tape, capture::OpIndex i, ValueId v, const at::Tensor& t, uint32_t now,

@@ -2,9 +2,11 @@
 #include "tapesac/replay/preserve.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -132,8 +134,17 @@ struct WriteWatcher::Entry {
   bool refilling = false;
   bool refill_unknown = false;
   std::vector<std::pair<int64_t, int64_t>> refilled;
-  // Note [a storage reallocated unseen], seen freed: the HeldAllocation the entry owns a share of (nullptr: none).
+  // Note [a storage reallocated unseen], seen freed: the HeldAllocation the entry owns a share of (nullptr: none);
+  // whether the storage was copy-on-write when last seen; whether check_allocations() looks at it (unheld_).
   void* held = nullptr;
+  bool cow = false;
+  bool checked = false;
+  // Note [a storage reallocated unseen], refilled with other bytes: 8 bytes at the start, the middle and the end of a
+  // CPU storage as watched; compared with the refilled bytes before a replay reads them (`unfilled` says why not).
+  std::array<uint64_t, 3> probe{};
+  bool probed = false;
+  bool probe_pending = false;
+  std::string unfilled;
 
   Entry() = default;
   Entry(const Entry&) = delete;
@@ -189,19 +200,30 @@ void add_range(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t lo, int
 // what the block held before the refill (glibc's free-list pointers over its first 16 bytes; random programs 166 and
 // 396 before the generator avoided it). Two ways to see it:
 // - a CPU storage of the process's CPU allocator: while watched, its DataPtr is the watcher's HeldAllocation, which
-//   owns the allocator's DataPtr and records its free (the data pointer is unchanged; end() puts the allocator's
-//   DataPtr back). Not for other allocators (CUDA's caching allocator and pinned host memory find their blocks through
-//   the DataPtr's context and deleter: record_stream would silently skip a held one) nor copy-on-write storages;
+//   owns the allocator's DataPtr and records how the storage let go of it (the data pointer is unchanged; end() puts
+//   the allocator's DataPtr back). Not for other allocators (CUDA's caching allocator and pinned host memory find
+//   their blocks through the DataPtr's context and deleter: record_stream would silently skip a held one) nor
+//   copy-on-write storages. Two sessions' watchers may hold one storage (steps open on two threads): holds nest, and
+//   each takes its own layer out (hold_mu serializes them);
 // - any storage: check_allocations() at block boundaries finds it empty or moved (FSDP2 frees a parameter after its
 //   block's forward and refills it before its backward, with other blocks in between). A free and a same-address
 //   refill with no boundary between them stay unseen on those storages (README, Limits and guarantees).
-//   The HeldAllocation has two owners, the storage's DataPtr and the entry: whichever lets go last deletes it.
+// How the storage let go matters (an adversarial test): resize_(n > 0) and share_memory_() copy the bytes into the new
+// allocation before freeing the old one — the bytes are kept, the writes saved before still undo onto them, and a
+// later write is a write (taking it for a refill read the written bytes in the replay: silently different
+// gradients) —, while resize_(0) empties the storage: its next writes refill it. The HeldAllocation has two owners,
+// the storage's DataPtr and the entry: whichever lets go last deletes it.
+enum class LetGo : uint8_t { kHeld, kMovedKeepingBytes, kEmptied };
+
 struct HeldAllocation {
   at::DataPtr original;
-  std::atomic<bool> freed{false};  // the storage let go of the allocation (freed or reallocated)
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::atomic<LetGo> let_go{LetGo::kHeld};
   std::atomic<int> owners{2};
   bool released = false;  // original handed back by release_allocation(): the storage's letting go is no free
 };
+
+std::mutex hold_mu;  // every watcher's hold and release of a storage's DataPtr
 
 void let_go(HeldAllocation* h) {
   if (h->owners.fetch_sub(1, std::memory_order_acq_rel) == 1) delete h;
@@ -210,10 +232,29 @@ void let_go(HeldAllocation* h) {
 void free_held(void* ctx) {
   auto* h = static_cast<HeldAllocation*>(ctx);
   if (!h->released) {
+    // Called while the storage takes its new DataPtr (its data pointer is already the new one: DataPtr's move
+    // assignment sets it before it deletes the old context), or while the storage dies (not lockable then).
+    LetGo how = LetGo::kEmptied;
+    if (c10::intrusive_ptr<c10::StorageImpl> s = h->storage.lock()) {
+      const void* now = s->_mutable_data_ptr_no_checks().get();
+      if (now != nullptr && now != h->original.get()) how = LetGo::kMovedKeepingBytes;
+    }
     h->original = at::DataPtr();  // the allocation goes now, with its allocator's deleter
-    h->freed.store(true, std::memory_order_release);
+    h->let_go.store(how, std::memory_order_release);
   }
   let_go(h);
+}
+
+/// The probe of a CPU storage (Note [a storage reallocated unseen], refilled with other bytes): 8 bytes at its start,
+/// middle and end. False when it has none (another device, under 8 bytes).
+bool read_probe(const c10::StorageImpl& s, std::array<uint64_t, 3>& out) {
+  const at::DataPtr& dp = const_cast<c10::StorageImpl&>(s)._mutable_data_ptr_no_checks();
+  const auto n = static_cast<int64_t>(s.nbytes());
+  if (dp.get() == nullptr || dp.device().type() != c10::kCPU || n < 8) return false;
+  const auto* bytes = static_cast<const char*>(dp.get());
+  const int64_t at[3] = {0, (n / 2) & ~int64_t{7}, n - 8};
+  for (int k = 0; k < 3; ++k) std::memcpy(&out[static_cast<size_t>(k)], bytes + std::min(at[k], n - 8), 8);
+  return true;
 }
 
 }  // namespace
@@ -225,13 +266,15 @@ WriteWatcher::Entry::~Entry() {
 void WriteWatcher::hold_allocation(Entry& e, c10::StorageImpl& s) {
   if (e.held != nullptr) let_go(static_cast<HeldAllocation*>(e.held));
   e.held = nullptr;
+  std::lock_guard<std::mutex> lock(hold_mu);
   at::DataPtr& dp = s._mutable_data_ptr_no_checks();
-  if (dp.get() == nullptr || dp.device().type() != c10::kCPU || !s.resizable() || dp.get_deleter() == &free_held ||
+  if (dp.get() == nullptr || dp.device().type() != c10::kCPU || !s.resizable() ||
       c10::impl::cow::is_cow_data_ptr(dp)) {
-    return;  // nothing allocated, another device, held by another watcher (another session's step), copy-on-write
+    return;  // nothing allocated, another device, copy-on-write
   }
   if (s.allocator() != c10::GetCPUAllocator() && s.allocator() != c10::GetDefaultCPUAllocator()) return;
-  auto* h = new HeldAllocation{std::move(dp)};
+  if (!e.storage) return;
+  auto* h = new HeldAllocation{std::move(dp), *e.storage};
   dp = at::DataPtr(h->original.get(), h, &free_held, h->original.device());
   e.held = h;
 }
@@ -240,37 +283,57 @@ void WriteWatcher::release_allocation(Entry& e) noexcept {
   if (e.held == nullptr || !e.storage) return;
   c10::intrusive_ptr<c10::StorageImpl> s = e.storage->lock();
   if (!s) return;
-  at::DataPtr& dp = s->_mutable_data_ptr_no_checks();
-  if (dp.get_context() != e.held || dp.get_deleter() != &free_held) return;  // let go of since
-  auto* h = static_cast<HeldAllocation*>(e.held);
-  h->released = true;
-  at::DataPtr original = std::move(h->original);
-  dp = std::move(original);  // the storage lets go of h
+  std::lock_guard<std::mutex> lock(hold_mu);
+  // The entry's layer may lie under another watcher's (holds nest): take it out where it is.
+  at::DataPtr* slot = &s->_mutable_data_ptr_no_checks();
+  while (slot->get_deleter() == &free_held) {
+    auto* h = static_cast<HeldAllocation*>(slot->get_context());
+    if (h == e.held) {
+      h->released = true;
+      at::DataPtr original = std::move(h->original);
+      *slot = std::move(original);  // the storage lets go of h
+      return;
+    }
+    slot = &h->original;
+  }
+  // Not found: the storage let go of it (freed or reallocated) or handed it to another storage (swap_data_ptr).
 }
 
 bool WriteWatcher::allocation_changed(Entry& e, c10::StorageImpl& s) {
-  const bool freed =
-      e.held != nullptr && static_cast<HeldAllocation*>(e.held)->freed.load(std::memory_order_acquire);
+  const LetGo how = e.held != nullptr ? static_cast<HeldAllocation*>(e.held)->let_go.load(std::memory_order_acquire)
+                                      : LetGo::kHeld;
   const auto nbytes = static_cast<int64_t>(s.nbytes());
   const void* data = s._mutable_data_ptr_no_checks().get();
-  if (!freed && nbytes == e.nbytes && data == e.data) return false;
-  // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
-  // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
-  // operator call, so the watcher sees only the refill. The bytes before the refill are not the forward's (they are
-  // fresh memory): saving them would hand the replay garbage (test_distributed.py::test_fsdp2[full], NaN
-  // gradients). A write into a storage whose allocation changed since it was watched is therefore not saved and
-  // not counted: the replay reads the bytes as they are after it, as plain autograd does. Writes saved before the
-  // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
+  if (how == LetGo::kHeld && nbytes == e.nbytes && data == e.data) return false;
+  // Reallocated keeping the bytes (held: resize_ to a size as large, share_memory_(); unheld: a copy-on-write storage
+  // copied at its first write): the writes saved since the watch undo onto the new allocation as onto the old.
+  const bool kept = nbytes >= e.nbytes && e.nbytes > 0 && data != nullptr &&
+                    (how == LetGo::kMovedKeepingBytes || (e.cow && !c10::impl::cow::is_cow_data_ptr(
+                                                                           s._mutable_data_ptr_no_checks())));
+  e.cow = c10::impl::cow::is_cow_data_ptr(s._mutable_data_ptr_no_checks());
+  if (!kept) {
+    // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
+    // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
+    // operator call, so the watcher sees only the refill. The bytes before the refill are not the forward's (they are
+    // fresh memory): saving them would hand the replay garbage (test_distributed.py::test_fsdp2[full], NaN
+    // gradients). A write into a storage whose allocation changed since it was watched is therefore not saved and
+    // not counted: the replay reads the bytes as they are after it, as plain autograd does. Writes saved before the
+    // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
+    if (e.count > 0 && !e.broken) {
+      e.refuse("the storage was reallocated (resized) after " + std::to_string(e.count) +
+               " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())");
+    }
+    e.refilling = true;
+    e.refill_unknown = false;
+    e.refilled.clear();
+  }
   e.nbytes = nbytes;
   e.data = data;
-  if (e.count > 0 && !e.broken) {
-    e.refuse("the storage was reallocated (resized) after " + std::to_string(e.count) +
-             " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())");
-  }
-  e.refilling = true;
-  e.refill_unknown = false;
-  e.refilled.clear();
   hold_allocation(e, s);  // lets go of the old hold; the new allocation's free is seen too (a second microbatch)
+  if (e.held == nullptr && !e.checked) {  // not holdable now: block boundaries check it
+    e.checked = true;
+    unheld_.push_back(&e);
+  }
   return true;
 }
 
@@ -278,7 +341,8 @@ void WriteWatcher::check_allocations() noexcept {
   // Only the storages not held when first watched: a held one's reallocation frees what is held, which its next
   // write sees (save()).
   std::lock_guard<std::mutex> lock(mu_);
-  for (Entry* e : unheld_) {
+  for (size_t i = 0; i < unheld_.size(); ++i) {  // by index: allocation_changed() may append
+    Entry* e = unheld_[i];
     if (!e->storage) continue;
     c10::intrusive_ptr<c10::StorageImpl> s = e->storage->lock();
     if (!s) continue;
@@ -314,7 +378,10 @@ bool WriteWatcher::refills(Entry& e, const char* op, size_t arg, const at::Tenso
     return false;
   }
   add_range(e.refilled, lo, hi);
-  if (covered_bytes(e.refilled, 0, e.nbytes) >= e.nbytes) e.refilling = false;
+  if (covered_bytes(e.refilled, 0, e.nbytes) >= e.nbytes) {
+    e.refilling = false;
+    e.probe_pending = e.probed;  // the refill's bytes are written after this call: compared before a replay reads
+  }
   return true;
 }
 
@@ -378,6 +445,7 @@ void WriteWatcher::end() noexcept {
   if (t_watcher == this) t_watcher = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [key, e] : entries_) release_allocation(*e);
+  probe_after_ = nullptr;
   unheld_.clear();
   entries_.clear();
   dropped_.clear();
@@ -420,12 +488,32 @@ bool WriteWatcher::on_call_enter(const c10::OperatorHandle& op, c10::ArrayRef<c1
   return false;
 }
 
-void WriteWatcher::on_call_exit(const c10::OperatorHandle& /*op*/, c10::ArrayRef<c10::IValue> /*returns*/) noexcept {}
+void WriteWatcher::on_call_exit(const c10::OperatorHandle& /*op*/, c10::ArrayRef<c10::IValue> /*returns*/) noexcept {
+  if (probe_after_ != nullptr) check_probe();
+}
+
+void WriteWatcher::check_probe() noexcept {
+  // Note [a storage reallocated unseen], refilled with other bytes: FSDP2 gives a parameter its bytes back; a refill
+  // with others (zeros, a scaled copy) was read by the replay silently — plain autograd reads it only where it saved
+  // the tensor itself (an adversarial test: a buffer only a replay reads, gradients off by 6.4). Compared when the
+  // write that completed the refill has run.
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = *probe_after_;
+  probe_after_ = nullptr;
+  e.probe_pending = false;
+  std::array<uint64_t, 3> now{};
+  c10::intrusive_ptr<c10::StorageImpl> s = e.storage ? e.storage->lock() : nullptr;
+  if (s && read_probe(*s, now) && now != e.probe) {
+    e.unfilled = std::string(kReallocatedUnseen) + "refilled with other bytes than the forward's (a sample of its " +
+                 "bytes differs)";
+  }
+}
 
 void WriteWatcher::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   WriteWatcher* w = t_watcher;
   if (w == nullptr || !w->operator_call(fn)) return;  // not counted on entry
   if (w->depth_ > 0) --w->depth_;
+  if (w->depth_ == 0 && w->probe_after_ != nullptr) w->check_probe();
 }
 
 bool WriteWatcher::operator_call(const at::RecordFunction& fn) {
@@ -520,7 +608,14 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
                         const at::Tensor& target) {
   allocation_changed(e, *target.storage().unsafeGetStorageImpl());  // Note [a storage reallocated unseen]
   const bool first = e.refilled.empty() && !e.refill_unknown;
-  if (e.refilling && refills(e, op.c_str(), arg, target, first)) return;
+  // Under preserve="off" a refill is counted like any write after the forward (Note [Writes counted under
+  // preserve="off"]): replays reading the storage refuse. The other modes let the replay read the refilled bytes, as
+  // FSDP2's refill gives back the forward's; a refill with other bytes is read as it is (README: only
+  // contract="strict" compares a replay's inputs with the forward's bytes).
+  if (e.refilling && refills(e, op.c_str(), arg, target, first) && e.mode != PreserveMode::kOff) {
+    if (e.probe_pending) probe_after_ = &e;  // the refill is complete once this call has run
+    return;
+  }
   const int64_t t0 = now_ns();
   const int64_t held_before = e.stats.held_bytes;
   busy_ = true;
@@ -566,8 +661,14 @@ int64_t WriteWatcher::watch(const at::Tensor& t) {
     e->storage.emplace(t.storage().getWeakStorageImpl());
     e->stats.key = capture::storage_key(t);
     e->stats.nbytes = e->nbytes;
-    hold_allocation(*e, *t.storage().unsafeGetStorageImpl());  // Note [a storage reallocated unseen], seen freed
-    if (e->held == nullptr) unheld_.push_back(e.get());
+    c10::StorageImpl& impl = *t.storage().unsafeGetStorageImpl();
+    e->cow = c10::impl::cow::is_cow_data_ptr(impl._mutable_data_ptr_no_checks());
+    hold_allocation(*e, impl);  // Note [a storage reallocated unseen], seen freed
+    e->probed = read_probe(impl, e->probe);
+    if (e->held == nullptr) {
+      e->checked = true;
+      unheld_.push_back(e.get());
+    }
   }
   e->last_mark = e->count;
   return e->count;
@@ -649,11 +750,32 @@ WriteWatcher::Restored WriteWatcher::restore(const at::Tensor& t, int64_t mark, 
   return out;
 }
 
-int64_t WriteWatcher::writes_since(const at::Tensor& t, int64_t mark) const {
+int64_t WriteWatcher::writes_since(const at::Tensor& t, int64_t mark, std::string* unfilled) {
   if (!t.defined() || !t.has_storage()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(capture::storage_key(t));
-  return it == entries_.end() ? 0 : it->second->count - mark;
+  if (it == entries_.end()) return 0;
+  Entry& e = *it->second;
+  if (unfilled != nullptr && e.storage) {
+    // Note [a storage reallocated unseen], read unfilled: bytes of a storage emptied since the forward and not
+    // written since are the allocator's; a replay reading them computed from garbage (an adversarial test: a buffer
+    // freed and reallocated between forward and backward, gradients off by 12.7; plain autograd never read it).
+    if (c10::intrusive_ptr<c10::StorageImpl> s = e.storage->lock()) {
+      try {
+        allocation_changed(e, *s);
+      } catch (const std::exception&) {
+        // Only holding the new allocation can fail (out of host memory); what was seen stands.
+      }
+    }
+    if (!e.unfilled.empty()) *unfilled = e.unfilled;
+    const int64_t filled = covered_bytes(e.refilled, 0, e.nbytes);
+    if (e.refilling && !e.refill_unknown && (e.nbytes == 0 || filled < e.nbytes)) {
+      *unfilled = std::string(kReallocatedUnseen) + "only " + std::to_string(filled) + " of its " +
+                  std::to_string(e.nbytes) + " bytes were written since: the others are the allocator's, not the "
+                  "forward's";
+    }
+  }
+  return e.count - mark;
 }
 
 std::vector<PreservedStorage> WriteWatcher::stats() const {

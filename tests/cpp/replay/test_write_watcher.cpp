@@ -189,5 +189,82 @@ TEST(WriteWatcher, AWatchedStorageKeepsItsAllocatorsDeleterAfterTheStep) {
   EXPECT_EQ(t.sum().item<float>(), 64.0f);
 }
 
+// A reallocation that keeps the bytes (resize_ to the same size copies them, as share_memory_() does) is not a free:
+// the write after it is a write, undone for the replay. Taken for a refill, the replay read the written bytes (an
+// adversarial test: gradients off by 0.2-0.36).
+TEST(WriteWatcher, AReallocationThatKeepsTheBytesIsNoRefill) {
+  for (PreserveMode mode : {PreserveMode::kRegions, PreserveMode::kSnapshots}) {
+    WriteWatcher w(mode);
+    w.install();
+    at::Tensor t = at::arange(1, 17, at::kFloat);
+    const at::Tensor forward = t.clone();
+    const int64_t mark = w.watch(t);
+    const void* before = t.data_ptr();
+    at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), t.storage().nbytes());
+    EXPECT_NE(t.data_ptr(), before);
+    t.mul_(2.0);
+    w.check_allocations();
+    EXPECT_EQ(w.writes_since(t, mark), 1);
+    std::string why;
+    {
+      WriteWatcher::Restored r = w.restore(t, mark, 1, &why);
+      ASSERT_TRUE(r.copy.defined() || r.swap) << why;
+      EXPECT_TRUE(at::equal(r.swap ? t : r.copy, forward));
+    }
+    EXPECT_TRUE(at::equal(t, forward * 2));
+    w.end();
+  }
+}
+
+// A copy-on-write storage (torch._lazy_clone) is not held; its first write copies it (materializes) to a new address
+// after the watcher saved the region: the saved write still undoes onto the copy (it was refused as "reallocated").
+TEST(WriteWatcher, ACopyOnWriteStorageCopiedAtItsFirstWriteKeepsItsSavedWrite) {
+  WriteWatcher w(PreserveMode::kRegions);
+  w.install();
+  at::Tensor t = at::arange(1, 17, at::kFloat);
+  const at::Tensor sibling = at::_lazy_clone(t);
+  const at::Tensor forward = t.clone();
+  const int64_t mark = w.watch(t);
+  t.mul_(2.0);
+  w.check_allocations();
+  std::string why;
+  WriteWatcher::Restored r = w.restore(t, mark, 1, &why);
+  ASSERT_TRUE(r.swap) << why;
+  EXPECT_TRUE(at::equal(t, forward));
+  EXPECT_TRUE(at::equal(sibling, forward));
+  r.swap.reset();
+  EXPECT_TRUE(at::equal(t, forward * 2));
+  w.end();
+}
+
+// Two sessions' watchers on one storage (steps open on two threads): both hold it, both see its free, and each takes
+// its own layer out whichever ends first (before, the second watcher could not hold it and missed a same-address
+// refill).
+TEST(WriteWatcher, TwoWatchersHoldOneStorageAndEndInEitherOrder) {
+  for (bool first_ends_first : {true, false}) {
+    SameBlockAllocator alloc(64);
+    c10::Allocator* before = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&alloc, /*priority=*/255);
+    {
+      at::Tensor t = on_allocator(&alloc, 16);
+      const c10::DeleterFnPtr deleter = t.storage().data_ptr().get_deleter();
+      const at::Tensor forward = t.clone();
+      WriteWatcher a(PreserveMode::kRegions);
+      WriteWatcher b(PreserveMode::kRegions);
+      const int64_t ma = a.watch(t);
+      const int64_t mb = b.watch(t);
+      b.install();  // b's thread makes the writes (one watcher per thread)
+      const at::Tensor read = free_and_refill(b, t, mb, [] {});
+      EXPECT_TRUE(at::equal(read, forward));
+      EXPECT_EQ(b.writes_since(t, mb), 0);
+      EXPECT_EQ(a.writes_since(t, ma), 0);
+      (first_ends_first ? a : b).end();
+      (first_ends_first ? b : a).end();
+      EXPECT_EQ(t.storage().data_ptr().get_deleter(), deleter);
+    }
+    c10::SetCPUAllocator(before, /*priority=*/255);
+  }
+}
+
 }  // namespace
 }  // namespace tapesac::replay

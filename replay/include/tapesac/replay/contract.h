@@ -86,6 +86,10 @@ class ReplayContract {
   /// swapped back (the storage's other values then read the forward's bytes too).
   bool recover(const Tape& tape, capture::OpIndex i, ValueId v, const at::Tensor& t, uint32_t now,
                ResolvedLive& out, ValueId wanted) const;
+  /// Throws ReplayContractError: live value `v` (input of op `i`) sits on a storage emptied or reallocated since the
+  /// forward and not all written again (`why`, from WriteWatcher::writes_since).
+  [[noreturn]] void reject_unfilled(const Tape& tape, capture::OpIndex i, const at::Tensor& t, ValueId v,
+                                    ValueId wanted, const std::string& why) const;
 
   std::string block_;
   ContractOptions options_;

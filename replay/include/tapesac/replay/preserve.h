@@ -143,7 +143,10 @@ class WriteWatcher : private capture::CallObserver {
 
   /// Writes the watcher saved on t's storage since `mark` (also those that bypass version counters, e.g. through
   /// `.data`).
-  int64_t writes_since(const at::Tensor& t, int64_t mark) const;
+  /// `unfilled` (when given): set to why when t's storage was emptied or reallocated since the watch (unseen by the
+  /// operator calls) and its bytes were not all written again since — a replay reading it would read the allocator's
+  /// bytes (Note [a storage reallocated unseen], read unfilled).
+  int64_t writes_since(const at::Tensor& t, int64_t mark, std::string* unfilled = nullptr);
 
   std::vector<PreservedStorage> stats() const;
   int64_t held_bytes() const;
@@ -184,9 +187,13 @@ class WriteWatcher : private capture::CallObserver {
   /// allocation, so that its free is counted; release_allocation() gives the allocator's DataPtr back.
   static void hold_allocation(Entry& e, c10::StorageImpl& s);
   static void release_allocation(Entry& e) noexcept;
-  /// True (and the entry marked reallocated: its next writes refill) when the storage's allocation is no longer the
-  /// one the entry last saw: freed while held, or another size or address.
-  static bool allocation_changed(Entry& e, c10::StorageImpl& s);
+  /// True when the storage's allocation is no longer the one the entry last saw (let go of while held, or another size
+  /// or address); the entry is then marked reallocated — keeping its bytes (its saved writes still undo), or not (its
+  /// next writes refill it).
+  bool allocation_changed(Entry& e, c10::StorageImpl& s);
+  /// After the call that completed a refill: compares the refilled storage's probe with the watched one
+  /// (Note [a storage reallocated unseen], refilled with other bytes, preserve.cpp).
+  void check_probe() noexcept;
 
   PreserveMode mode_;
   std::unordered_map<const void*, PreserveMode> overrides_;
@@ -205,6 +212,7 @@ class WriteWatcher : private capture::CallObserver {
   std::atomic<bool> paused_{false};
   int depth_ = 0;
   bool busy_ = false;
+  Entry* probe_after_ = nullptr;  // check_probe() after the current call
 };
 
 }  // namespace tapesac::replay

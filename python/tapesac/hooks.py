@@ -81,6 +81,7 @@ class StepHooks:
         self._handles: list[Any] = []
         self._open: list[nn.Module] = []  # the blocks whose call is open, innermost last
         self._reentered = 0  # calls of the open block made from inside it (Note [A block that calls itself])
+        self._installed = 0  # install() count: hooks of an earlier install that a module call still runs are stale
         self._thread: int | None = None
         self._pack, self._unpack = session.saved_tensor_hooks()  # C functions (Note [Hooks without pybind11])
         self.aside_calls = 0  # block calls of this step run untouched under a torch.func transform
@@ -89,6 +90,7 @@ class StepHooks:
         """Installs the hooks for a step on the calling thread (the step's thread: the only one they act on)."""
         self._thread = threading.get_ident()
         self.aside_calls = 0
+        self._installed += 1
         for name, module in self._blocks:
             # CopiesInert: a deep copy or a pickle of the model made inside the step gets inert hooks (the inert module).
             self._handles.append(module.register_forward_pre_hook(CopiesInert(self._pre_hook(name)), with_kwargs=True))
@@ -113,11 +115,17 @@ class StepHooks:
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
         session = self._session
+        installed = self._installed
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
             # kwargs optional: a call whose hooks torch gathered before this step re-installed them runs this
             # hook as a plain one (sac.attach ending a failed step in the same forward pre-hooks)
             if _thread_id() != self._thread:  # Note [other threads]
+                return None
+            if installed != self._installed:
+                # A hook of an earlier step that this module call gathered before sac.attach ended that step and
+                # started another in its first pre-hook: the new step opened the call already (open_block). Counted
+                # as a call of the open block made from inside it, it kept the block call open past its forward.
                 return None
             if self._open and self._open[-1] is module:  # Note [A block that calls itself]
                 self._reentered += 1

@@ -145,8 +145,14 @@ bool ReplayContract::recover(const Tape& tape, capture::OpIndex i, ValueId v, co
   }
   std::ostringstream msg;
   msg << "tapesac: replaying block '" << block_ << "' needs a tensor (" << describe_tensor(t) << ", input of "
-      << op_label(tape, i) << ") that was modified in place after the block's forward (version " << versions_[idx]
-      << " -> " << now << "), and it cannot be rebuilt as the forward saw it: " << why
+      << op_label(tape, i) << ") that was ";
+  if (now == versions_[idx]) {
+    msg << "written after the block's forward without moving its version (through .data, or a refill after "
+           "a reallocation)";
+  } else {
+    msg << "modified in place after the block's forward (version " << versions_[idx] << " -> " << now << ")";
+  }
+  msg << ", and it cannot be rebuilt as the forward saw it: " << why
       << ". Modify block inputs, parameters and buffers only after backward (e.g. optimizer.step() after "
          "loss.backward()), make the write on the step's thread with preserve=\"regions\" or "
          "\"snapshots\" (the default \"auto\" includes them), or .clone() the tensor before the block reads it.";

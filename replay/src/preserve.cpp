@@ -143,7 +143,6 @@ struct WriteWatcher::Entry {
   // CPU storage as watched; compared with the refilled bytes before a replay reads them (`unfilled` says why not).
   std::array<uint64_t, 3> probe{};
   bool probed = false;
-  bool probe_pending = false;
   std::string unfilled;
 
   Entry() = default;
@@ -321,7 +320,8 @@ bool WriteWatcher::allocation_changed(Entry& e, c10::StorageImpl& s) {
     // change belong to the old allocation and can no longer be restored: the entry refuses (ReplayContractError).
     if (e.count > 0 && !e.broken) {
       e.refuse("the storage was reallocated (resized) after " + std::to_string(e.count) +
-               " saved write(s), by code no operator call shows (e.g. untyped_storage().resize_())");
+               (e.mode == PreserveMode::kOff ? " write(s) (counted, not saved: preserve=\"off\")" : " saved write(s)") +
+               ", by code no operator call shows (e.g. untyped_storage().resize_())");
     }
     e.refilling = true;
     e.refill_unknown = false;
@@ -378,10 +378,7 @@ bool WriteWatcher::refills(Entry& e, const char* op, size_t arg, const at::Tenso
     return false;
   }
   add_range(e.refilled, lo, hi);
-  if (covered_bytes(e.refilled, 0, e.nbytes) >= e.nbytes) {
-    e.refilling = false;
-    e.probe_pending = e.probed;  // the refill's bytes are written after this call: compared before a replay reads
-  }
+  if (covered_bytes(e.refilled, 0, e.nbytes) >= e.nbytes) e.refilling = false;
   return true;
 }
 
@@ -445,7 +442,7 @@ void WriteWatcher::end() noexcept {
   if (t_watcher == this) t_watcher = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [key, e] : entries_) release_allocation(*e);
-  probe_after_ = nullptr;
+  probes_after_.clear();
   unheld_.clear();
   entries_.clear();
   dropped_.clear();
@@ -489,23 +486,32 @@ bool WriteWatcher::on_call_enter(const c10::OperatorHandle& op, c10::ArrayRef<c1
 }
 
 void WriteWatcher::on_call_exit(const c10::OperatorHandle& /*op*/, c10::ArrayRef<c10::IValue> /*returns*/) noexcept {
-  if (probe_after_ != nullptr) check_probe();
+  if (!probes_after_.empty()) check_probes();
 }
 
-void WriteWatcher::check_probe() noexcept {
+void WriteWatcher::check_probes() noexcept {
   // Note [a storage reallocated unseen], refilled with other bytes: FSDP2 gives a parameter its bytes back; a refill
   // with others (zeros, a scaled copy) was read by the replay silently — plain autograd reads it only where it saved
   // the tensor itself (an adversarial test: a buffer only a replay reads, gradients off by 6.4). Compared when the
-  // write that completed the refill has run.
+  // call that refilled them has run, for every storage it refilled (FSDP2's split_with_sizes_copy refills all of a
+  // block's parameters in one call), on the samples inside the refilled bytes (a flat buffer's gaps stay unwritten).
   std::lock_guard<std::mutex> lock(mu_);
-  Entry& e = *probe_after_;
-  probe_after_ = nullptr;
-  e.probe_pending = false;
-  std::array<uint64_t, 3> now{};
-  c10::intrusive_ptr<c10::StorageImpl> s = e.storage ? e.storage->lock() : nullptr;
-  if (s && read_probe(*s, now) && now != e.probe) {
-    e.unfilled = std::string(kReallocatedUnseen) + "refilled with other bytes than the forward's (a sample of its " +
-                 "bytes differs)";
+  std::vector<PendingProbe> pending;
+  pending.swap(probes_after_);
+  for (const PendingProbe& p : pending) {
+    Entry& e = *p.entry;
+    c10::intrusive_ptr<c10::StorageImpl> s = e.storage ? e.storage->lock() : nullptr;
+    std::array<uint64_t, 3> now{};
+    if (!s || !e.unfilled.empty() || !read_probe(*s, now)) continue;
+    const auto n = static_cast<int64_t>(s->nbytes());
+    const int64_t at[3] = {0, (n / 2) & ~int64_t{7}, n - 8};
+    for (size_t k = 0; k < 3; ++k) {
+      if (at[k] >= p.lo && at[k] + 8 <= p.hi && now[k] != e.probe[k]) {
+        e.unfilled = std::string(kReallocatedUnseen) + "refilled with other bytes than the forward's (the 8 bytes at " +
+                     "offset " + std::to_string(at[k]) + " differ)";
+        break;
+      }
+    }
   }
 }
 
@@ -513,7 +519,7 @@ void WriteWatcher::on_exit(const at::RecordFunction& fn, at::ObserverContext* /*
   WriteWatcher* w = t_watcher;
   if (w == nullptr || !w->operator_call(fn)) return;  // not counted on entry
   if (w->depth_ > 0) --w->depth_;
-  if (w->depth_ == 0 && w->probe_after_ != nullptr) w->check_probe();
+  if (w->depth_ == 0 && !w->probes_after_.empty()) w->check_probes();
 }
 
 bool WriteWatcher::operator_call(const at::RecordFunction& fn) {
@@ -612,9 +618,13 @@ void WriteWatcher::save(Entry& e, const std::string& op, c10::ArrayRef<c10::IVal
   // preserve="off"]): replays reading the storage refuse. The other modes let the replay read the refilled bytes, as
   // FSDP2's refill gives back the forward's; a refill with other bytes is read as it is (README: only
   // contract="strict" compares a replay's inputs with the forward's bytes).
-  if (e.refilling && refills(e, op.c_str(), arg, target, first) && e.mode != PreserveMode::kOff) {
-    if (e.probe_pending) probe_after_ = &e;  // the refill is complete once this call has run
-    return;
+  if (e.refilling) {
+    const auto span = dense_bytes(target, region_kind(op.c_str(), arg));  // a strided or indexed refill: anywhere
+    if (refills(e, op.c_str(), arg, target, first) && e.mode != PreserveMode::kOff) {
+      // The refilled bytes are written once this call has run: their probe samples are compared then.
+      if (e.probed) probes_after_.push_back({&e, span ? span->first : 0, span ? span->second : e.nbytes});
+      return;
+    }
   }
   const int64_t t0 = now_ns();
   const int64_t held_before = e.stats.held_bytes;
@@ -768,11 +778,18 @@ int64_t WriteWatcher::writes_since(const at::Tensor& t, int64_t mark, std::strin
       }
     }
     if (!e.unfilled.empty()) *unfilled = e.unfilled;
-    const int64_t filled = covered_bytes(e.refilled, 0, e.nbytes);
-    if (e.refilling && !e.refill_unknown && (e.nbytes == 0 || filled < e.nbytes)) {
-      *unfilled = std::string(kReallocatedUnseen) + "only " + std::to_string(filled) + " of its " +
-                  std::to_string(e.nbytes) + " bytes were written since: the others are the allocator's, not the "
-                  "forward's";
+    if (e.refilling && !e.refill_unknown && t.numel() > 0) {
+      // The bytes t reads, not the whole storage: a flat buffer's gaps are read by nobody.
+      int64_t extent = 1;
+      for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+      const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.element_size());
+      const int64_t hi = lo + extent * static_cast<int64_t>(t.element_size());
+      const int64_t filled = covered_bytes(e.refilled, lo, hi);
+      if (e.nbytes == 0 || filled < hi - lo) {
+        *unfilled = std::string(kReallocatedUnseen) + "only " + std::to_string(filled) + " of the " +
+                    std::to_string(hi - lo) + " bytes the replay reads were written since: the others are the " +
+                    "allocator's, not the forward's";
+      }
     }
   }
   return e.count - mark;

@@ -191,9 +191,9 @@ class WriteWatcher : private capture::CallObserver {
   /// or address); the entry is then marked reallocated — keeping its bytes (its saved writes still undo), or not (its
   /// next writes refill it).
   bool allocation_changed(Entry& e, c10::StorageImpl& s);
-  /// After the call that completed a refill: compares the refilled storage's probe with the watched one
-  /// (Note [a storage reallocated unseen], refilled with other bytes, preserve.cpp).
-  void check_probe() noexcept;
+  /// After a call that refilled watched storages: compares their probe samples inside the refilled bytes with the
+  /// watched ones (Note [a storage reallocated unseen], refilled with other bytes, preserve.cpp).
+  void check_probes() noexcept;
 
   PreserveMode mode_;
   std::unordered_map<const void*, PreserveMode> overrides_;
@@ -212,7 +212,11 @@ class WriteWatcher : private capture::CallObserver {
   std::atomic<bool> paused_{false};
   int depth_ = 0;
   bool busy_ = false;
-  Entry* probe_after_ = nullptr;  // check_probe() after the current call
+  struct PendingProbe {
+    Entry* entry;
+    int64_t lo, hi;  // the refilled bytes
+  };
+  std::vector<PendingProbe> probes_after_;  // check_probes() after the current call
 };
 
 }  // namespace tapesac::replay

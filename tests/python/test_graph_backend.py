@@ -33,19 +33,28 @@ def check_graph_counts(stats) -> None:
             assert b.graph_fallback and b.graph_detail, b
 
 
+@pytest.mark.parametrize("schedule", ["one_segment", "planned"])
 @pytest.mark.parametrize("policy", [pytest.param("full", id="full"), pytest.param(MATMULS, id="save_matmuls")])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_graph_replay_matches_no_checkpointing(name: str, policy) -> None:
+def test_graph_replay_matches_no_checkpointing(name: str, policy, schedule: str) -> None:
+    """Exact under both schedules. With one segment per block call every replay of ALL_GRAPHED launches the graph.
+    Planned schedules follow measured op times, so their segments vary with the machine's load, and a segment's
+    launch that would overwrite outputs an earlier launch of the graph handed out, still referenced, replays eagerly
+    (outputs_live): seen once in CI on hf_qwen3_attention_dropout (8 segments, 1 such fallback; 9 segments and none
+    in every local run). Only that fallback is allowed there."""
     s = scenario(name)
     res = reference_check(s.make_model, s.make_inputs, policy, s.blocks, s.loss_fn, steps=3,
-                          block_calls=s.block_calls, sac_kwargs=GRAPH)
+                          block_calls=s.block_calls, sac_kwargs={**GRAPH, "schedule": schedule})
     assert res.sac.backend == "emulated_graph"
     for st in res.all_stats:
         check_graph_counts(st)
     last = res.stats
-    if name in ALL_GRAPHED and policy == "full":
+    if name in ALL_GRAPHED and policy == "full" and schedule == "one_segment":
         assert last.graph_replays == last.replays > 0, (last.graph_replays, last.replays, last.graph_fallback_reasons)
         assert last.graph_fallbacks == 0, last.graph_fallback_reasons
+    if name in ALL_GRAPHED and policy == "full" and schedule == "planned":
+        assert last.graph_replays > 0 and set(last.graph_fallback_reasons) <= {"outputs_live"}, (
+            last.graph_replays, last.replays, last.graph_fallback_reasons)
     if policy == "full" and name in ("dropout", "random_ops", "hf_qwen3_attention_dropout"):
         assert RANDOM_OPS & set(last.ops_replayed_by_name), sorted(last.ops_replayed_by_name)
 

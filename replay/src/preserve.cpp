@@ -244,16 +244,27 @@ void free_held(void* ctx) {
   let_go(h);
 }
 
-/// The probe of a CPU storage (Note [a storage reallocated unseen], refilled with other bytes): 8 bytes at its start,
-/// middle and end. False when it has none (another device, under 8 bytes).
+/// Where the probe of a storage of `n` >= 8 bytes samples 8 bytes: its start, middle and end.
+std::array<int64_t, 3> probe_offsets(int64_t n) { return {0, (n / 2) & ~int64_t{7}, n - 8}; }
+
+/// The probe of a CPU storage (Note [a storage reallocated unseen], refilled with other bytes): the 8 bytes at each of
+/// probe_offsets(). False when it has none (another device, under 8 bytes).
 bool read_probe(const c10::StorageImpl& s, std::array<uint64_t, 3>& out) {
   const at::DataPtr& dp = const_cast<c10::StorageImpl&>(s)._mutable_data_ptr_no_checks();
   const auto n = static_cast<int64_t>(s.nbytes());
   if (dp.get() == nullptr || dp.device().type() != c10::kCPU || n < 8) return false;
   const auto* bytes = static_cast<const char*>(dp.get());
-  const int64_t at[3] = {0, (n / 2) & ~int64_t{7}, n - 8};
-  for (int k = 0; k < 3; ++k) std::memcpy(&out[static_cast<size_t>(k)], bytes + std::min(at[k], n - 8), 8);
+  const std::array<int64_t, 3> at = probe_offsets(n);
+  for (size_t k = 0; k < 3; ++k) std::memcpy(&out[k], bytes + at[k], 8);
   return true;
+}
+
+/// The bytes [first, second) of its storage that `t` (strided) spans.
+std::pair<int64_t, int64_t> spanned_bytes(const at::Tensor& t) {
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto item = static_cast<int64_t>(t.element_size());
+  return {t.storage_offset() * item, (t.storage_offset() + extent) * item};
 }
 
 }  // namespace
@@ -306,10 +317,10 @@ bool WriteWatcher::allocation_changed(Entry& e, c10::StorageImpl& s) {
   if (how == LetGo::kHeld && nbytes == e.nbytes && data == e.data) return false;
   // Reallocated keeping the bytes (held: resize_ to a size as large, share_memory_(); unheld: a copy-on-write storage
   // copied at its first write): the writes saved since the watch undo onto the new allocation as onto the old.
+  const bool cow = c10::impl::cow::is_cow_data_ptr(s._mutable_data_ptr_no_checks());
   const bool kept = nbytes >= e.nbytes && e.nbytes > 0 && data != nullptr &&
-                    (how == LetGo::kMovedKeepingBytes || (e.cow && !c10::impl::cow::is_cow_data_ptr(
-                                                                           s._mutable_data_ptr_no_checks())));
-  e.cow = c10::impl::cow::is_cow_data_ptr(s._mutable_data_ptr_no_checks());
+                    (how == LetGo::kMovedKeepingBytes || (e.cow && !cow));
+  e.cow = cow;
   if (!kept) {
     // Note [a storage reallocated unseen]: FSDP2 frees an unsharded parameter's bytes after the forward
     // (untyped_storage().resize_(0)) and reallocates and refills them in the pre-backward hook; the resize is no
@@ -329,12 +340,16 @@ bool WriteWatcher::allocation_changed(Entry& e, c10::StorageImpl& s) {
   }
   e.nbytes = nbytes;
   e.data = data;
-  hold_allocation(e, s);  // lets go of the old hold; the new allocation's free is seen too (a second microbatch)
-  if (e.held == nullptr && !e.checked) {  // not holdable now: block boundaries check it
+  hold(e, s);  // lets go of the old hold; the new allocation's free is seen too (a second microbatch)
+  return true;
+}
+
+void WriteWatcher::hold(Entry& e, c10::StorageImpl& s) {
+  hold_allocation(e, s);
+  if (e.held == nullptr && !e.checked) {  // not holdable: block boundaries check it (check_allocations)
     e.checked = true;
     unheld_.push_back(&e);
   }
-  return true;
 }
 
 void WriteWatcher::check_allocations() noexcept {
@@ -503,8 +518,7 @@ void WriteWatcher::check_probes() noexcept {
     c10::intrusive_ptr<c10::StorageImpl> s = e.storage ? e.storage->lock() : nullptr;
     std::array<uint64_t, 3> now{};
     if (!s || !e.unfilled.empty() || !read_probe(*s, now)) continue;
-    const auto n = static_cast<int64_t>(s->nbytes());
-    const int64_t at[3] = {0, (n / 2) & ~int64_t{7}, n - 8};
+    const std::array<int64_t, 3> at = probe_offsets(static_cast<int64_t>(s->nbytes()));
     for (size_t k = 0; k < 3; ++k) {
       if (at[k] >= p.lo && at[k] + 8 <= p.hi && now[k] != e.probe[k]) {
         e.unfilled = std::string(kReallocatedUnseen) + "refilled with other bytes than the forward's (the 8 bytes at " +
@@ -673,12 +687,8 @@ int64_t WriteWatcher::watch(const at::Tensor& t) {
     e->stats.nbytes = e->nbytes;
     c10::StorageImpl& impl = *t.storage().unsafeGetStorageImpl();
     e->cow = c10::impl::cow::is_cow_data_ptr(impl._mutable_data_ptr_no_checks());
-    hold_allocation(*e, impl);  // Note [a storage reallocated unseen], seen freed
+    hold(*e, impl);  // Note [a storage reallocated unseen], seen freed
     e->probed = read_probe(impl, e->probe);
-    if (e->held == nullptr) {
-      e->checked = true;
-      unheld_.push_back(e.get());
-    }
   }
   e->last_mark = e->count;
   return e->count;
@@ -780,10 +790,7 @@ int64_t WriteWatcher::writes_since(const at::Tensor& t, int64_t mark, std::strin
     if (!e.unfilled.empty()) *unfilled = e.unfilled;
     if (e.refilling && !e.refill_unknown && t.numel() > 0) {
       // The bytes t reads, not the whole storage: a flat buffer's gaps are read by nobody.
-      int64_t extent = 1;
-      for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-      const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.element_size());
-      const int64_t hi = lo + extent * static_cast<int64_t>(t.element_size());
+      const auto [lo, hi] = spanned_bytes(t);
       const int64_t filled = covered_bytes(e.refilled, lo, hi);
       if (e.nbytes == 0 || filled < hi - lo) {
         *unfilled = std::string(kReallocatedUnseen) + "only " + std::to_string(filled) + " of the " +

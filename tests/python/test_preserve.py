@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tapesac
+from conftest import assert_same_grads
 from tapesac import preserve as P
 
 D = 32
@@ -317,6 +318,27 @@ class _RefillBlock(nn.Module):
         return x + self.l2(torch.tanh(self.l1(x)))
 
 
+def _emptied(t: torch.Tensor) -> torch.Tensor:
+    """Frees t's storage and allocates it again, unfilled (untyped_storage().resize_(0), resize_(n)), as FSDP2 does
+    between a block's forward and its backward. Returns t's values from before."""
+    values, n = t.detach().clone(), t.untyped_storage().nbytes()
+    t.untyped_storage().resize_(0)
+    t.untyped_storage().resize_(n)
+    return values
+
+
+def _step_under_tapesac(model: nn.Module, step: Callable[[nn.Module], None], policy: str = "full",
+                        **kwargs) -> None:
+    """`step(model)` in one step of a TapeSAC over every block of `model` (closed after); under "full" it replayed."""
+    sac = tapesac.TapeSAC(model, blocks="*", policy=policy, **kwargs)
+    try:
+        with sac.step():
+            step(model)
+        assert policy != "full" or sac.last_step.ops_replayed > 0
+    finally:
+        sac.close()
+
+
 def _refill_step(refill: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[nn.Module], None]:
     """An FSDP2-like step: after the forward, a parameter's bytes are freed (untyped_storage().resize_(0)) and
     allocated again; `refill(w.data, values)` writes them back, and the backward runs."""
@@ -324,10 +346,7 @@ def _refill_step(refill: Callable[[torch.Tensor, torch.Tensor], None]) -> Callab
     def step(m: nn.Module) -> None:
         loss = m(torch.randn(4, 8)).pow(2).sum()
         w = m[1].l1.weight
-        values, n = w.detach().clone(), w.untyped_storage().nbytes()
-        w.untyped_storage().resize_(0)
-        w.untyped_storage().resize_(n)
-        refill(w.data, values)
+        refill(w.data, _emptied(w))
         loss.backward()
 
     return step
@@ -469,8 +488,7 @@ def test_parameters_resharded_between_forward_and_backward_are_exact(preserve: s
             with sac.step():
                 model(x).pow(2).sum().backward()
             assert sac.last_step.ops_replayed > 0
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                assert torch.equal(p.grad, q.grad), (step, name, (p.grad - q.grad).abs().max().item())
+            assert_same_grads(model, ref, f"step {step}: ")
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
@@ -501,16 +519,9 @@ def test_a_reallocation_keeping_the_bytes_then_a_write_is_undone(preserve: str, 
 
     torch.manual_seed(1)
     step(ref)
-    sac = tapesac.TapeSAC(model, blocks="*", policy="full", preserve=preserve)
     torch.manual_seed(1)
-    try:
-        with sac.step():
-            step(model)
-        assert sac.last_step.ops_replayed > 0
-    finally:
-        sac.close()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max().item())
+    _step_under_tapesac(model, step, preserve=preserve)
+    assert_same_grads(model, ref)
 
 
 class _BufferBlock(nn.Module):
@@ -540,15 +551,11 @@ def test_a_replay_reading_a_storage_emptied_unseen_refuses(preserve: str, refill
         def step(m: nn.Module) -> None:
             loss = m(x).pow(2).sum()
             c = m[0].c
-            values, n = c.detach().clone(), c.untyped_storage().nbytes()
-            c.untyped_storage().resize_(0)
-            c.untyped_storage().resize_(n)
+            values = _emptied(c)
             if refill.startswith("foreach"):
                 # one call refills several storages (FSDP2's split_with_sizes_copy): the first gets other bytes
                 c1 = m[1].c
-                values1, n1 = c1.detach().clone(), c1.untyped_storage().nbytes()
-                c1.untyped_storage().resize_(0)
-                c1.untyped_storage().resize_(n1)
+                values1 = _emptied(c1)
                 with torch.autograd._unsafe_preserve_version_counter((c, c1)):
                     torch._foreach_copy_([c, c1], [values * 2, values1])
             elif refill.startswith("index"):  # a refill whose bytes the watcher cannot tell apart
@@ -560,19 +567,12 @@ def test_a_replay_reading_a_storage_emptied_unseen_refuses(preserve: str, refill
             loss.backward()
 
         step(ref)
-        sac = tapesac.TapeSAC(model, blocks="*", policy=policy, preserve=preserve)
-        try:
-            if policy == "full" and (refill not in ("same", "index_same") or preserve == "off"):
-                with pytest.raises(tapesac.ReplayContractError, match="no longer the forward's|preserve"):
-                    with sac.step():
-                        step(model)
-                continue
-            with sac.step():
-                step(model)
-        finally:
-            sac.close()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max().item())
+        if policy == "full" and (refill not in ("same", "index_same") or preserve == "off"):
+            with pytest.raises(tapesac.ReplayContractError, match="no longer the forward's|preserve"):
+                _step_under_tapesac(model, step, preserve=preserve)
+            continue
+        _step_under_tapesac(model, step, policy=policy, preserve=preserve)
+        assert_same_grads(model, ref)
 
 
 class _FlatBlock(nn.Module):
@@ -602,22 +602,13 @@ def test_a_flat_buffer_refilled_without_its_gaps_is_exact() -> None:
     def step(m: nn.Module) -> None:
         loss = m(x).pow(2).sum()
         for blk in m:
-            values = [blk.w.detach().clone(), blk.b.detach().clone()]
-            n = blk.w.untyped_storage().nbytes()
-            blk.w.untyped_storage().resize_(0)
-            blk.w.untyped_storage().resize_(n)
+            bias = blk.b.detach().clone()
+            weight = _emptied(blk.w)  # the whole flat storage, gaps included
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter((blk.w, blk.b)):
-                blk.w.copy_(values[0])
-                blk.b.copy_(values[1])
+                blk.w.copy_(weight)
+                blk.b.copy_(bias)
         loss.backward()
 
     step(ref)
-    sac = tapesac.TapeSAC(model, blocks="*", policy="full")
-    try:
-        with sac.step():
-            step(model)
-        assert sac.last_step.ops_replayed > 0
-    finally:
-        sac.close()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max().item())
+    _step_under_tapesac(model, step)
+    assert_same_grads(model, ref)

@@ -554,6 +554,17 @@ def test_generator_covers_writes_at_a_blocks_entry() -> None:
     assert fams["data_write:entry"] >= 30, fams
 
 
+def _failures(seeds: list[int]) -> list[tuple[int, str]]:
+    """(seed, message) of each program of `seeds` that differs from its plain run."""
+    failures = []
+    for seed in seeds:
+        try:
+            R.check_program(seed)
+        except R.ProgramFailure as e:
+            failures.append((seed, str(e)))
+    return failures
+
+
 def test_the_refill_family_is_exact_whatever_address_the_refill_gets() -> None:
     """Note [a storage reallocated unseen], seen freed (replay/src/preserve.cpp): a weight freed and refilled
     (Program._with_refills) lands at the freed block's address under some allocation histories; the write watcher then
@@ -566,13 +577,7 @@ def test_the_refill_family_is_exact_whatever_address_the_refill_gets() -> None:
     seeds = [s for s in range(3000) if any(w.refill for w in R.Program.generate(s).data_writes)]
     assert len(seeds) > 100 and {R.Program.generate(s).data_writes[0].where for s in seeds} == {
         "forward", "backward", "split"}
-    failures = []
-    for _ in range(2):
-        for seed in seeds:
-            try:
-                R.check_program(seed)
-            except R.ProgramFailure as e:
-                failures.append((seed, str(e)))
+    failures = _failures(seeds) + _failures(seeds)
     assert not failures, f"{len(failures)} refill runs differ: {[s for s, _ in failures]}\n\n{failures[0][1]}"
 
 
@@ -583,10 +588,5 @@ def test_the_self_call_family_is_exact() -> None:
     seeds = [s for s in range(3000) if "self_call" in R.Program.generate(s).ops()]
     flags = {op.flag for s in seeds for blk in R.Program.generate(s).blocks for op in blk if op.kind == "self_call"}
     assert len(seeds) > 40 and flags == {True, False}
-    failures = []
-    for seed in seeds:
-        try:
-            R.check_program(seed)
-        except R.ProgramFailure as e:
-            failures.append((seed, str(e)))
+    failures = _failures(seeds)
     assert not failures, f"{len(failures)} self-call programs differ: {[s for s, _ in failures]}\n\n{failures[0][1]}"

@@ -187,6 +187,8 @@ class WriteWatcher : private capture::CallObserver {
   /// allocation, so that its free is counted; release_allocation() gives the allocator's DataPtr back.
   static void hold_allocation(Entry& e, c10::StorageImpl& s);
   static void release_allocation(Entry& e) noexcept;
+  /// hold_allocation(), and the entry joins unheld_ (once) when nothing could be held.
+  void hold(Entry& e, c10::StorageImpl& s);
   /// True when the storage's allocation is no longer the one the entry last saw (let go of while held, or another size
   /// or address); the entry is then marked reallocated — keeping its bytes (its saved writes still undo), or not (its
   /// next writes refill it).

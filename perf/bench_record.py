@@ -31,6 +31,9 @@
 #   `--smoke` runs few rounds (< 20 s). Exit status 1 when a variant fails validation.
 # - `--recorder-hook`: the recorder's hook for every variant (auto / dispatch_key / record_function), to compare the
 #   two hooks on one build.
+# - `--saved-hooks`: how autograd saves under tapesac's hooks for every variant: `cpp` (default, Note [Saved tensors
+#   without Python] in python/bindings/saved_hooks.cpp) or `python` (autograd's Python saved-tensor hooks calling
+#   tapesac's C functions), to compare the two on one build.
 # - `--instructions`: instead of time, instructions per forward counted by valgrind's callgrind (deterministic on a
 #   shared machine). One child process per workload runs under `valgrind --tool=callgrind --instr-atstart=no`;
 #   it switches instrumentation on around `--forwards` forwards of each variant and dumps the counts after each,
@@ -481,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forwards", type=int, default=10, help="--instructions: forwards per variant (default 10)")
     p.add_argument("--recorder-hook", default="auto", choices=["auto", "dispatch_key", "record_function"],
                    help="how the recorder sees operator calls (Note [Dispatch hook]; default auto: the dispatch hook)")
+    p.add_argument("--saved-hooks", default="cpp", choices=["cpp", "python"],
+                   help="how autograd saves under tapesac's hooks (Note [Saved tensors without Python]; default cpp)")
     p.add_argument("--instructions-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     raw_argv = list(sys.argv[1:] if argv is None else argv)
@@ -493,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     tapesac._C.set_recorder_hook(args.recorder_hook)
+    tapesac._C.set_saved_hooks_in_cpp(args.saved_hooks == "cpp")
     if args.instructions_child:
         return instructions_child(args)
 

@@ -1,13 +1,8 @@
-// Bindings of replay/: the step Session and the saved-tensor pack/unpack functions handed to
-// torch.autograd.graph.saved_tensors_hooks (one C++ call per saved tensor, no Python logic), and the graph devices.
-// Statistics are converted by bind_stats.cpp.
-#include <ATen/SequenceNumber.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/python_variable.h>
+// Bindings of replay/: the step Session and the graph devices. The saved-tensor hooks are saved_hooks.cpp's,
+// statistics are converted by bind_stats.cpp.
 #include <torch/csrc/utils/pybind.h>
 
 #include "bindings.h"
-#include "tapesac/capture/tensor_identity.h"
 #include "tapesac/common/errors.h"
 #include "tapesac/replay/graph_emulation.h"
 #include "tapesac/replay/session.h"
@@ -16,8 +11,6 @@ namespace py = pybind11;
 
 namespace tapesac::python {
 namespace {
-
-constexpr const char* kSlotCapsule = "tapesac.SavedSlot";
 
 using replay::Session;
 using replay::SessionOptions;
@@ -58,102 +51,6 @@ std::unique_ptr<Session> make_session(const std::string& policy, py::object save
   return std::make_unique<Session>(std::move(o));
 }
 
-void release_slot(PyObject* capsule) {
-  delete static_cast<replay::SavedSlot*>(PyCapsule_GetPointer(capsule, kSlotCapsule));
-}
-
-// A capsule is the cheapest Python object with a destructor: autograd drops it with the graph node that saved the
-// tensor, which releases the slot.
-// Whether autograd saves `t` as itself (Note [Saved as itself], replay/src/block_call_replay.cpp): a leaf, or a tensor
-// whose node is not the one being made — an output is packed after its node was made, the newest on the thread.
-bool saved_as_itself(const at::Tensor& t) {
-  const auto& fn = t.grad_fn();  // a shared_ptr or an intrusive_ptr, by torch version
-  return fn == nullptr || fn->sequence_nr() + 1 != at::sequence_number::peek();
-}
-
-PyObject* pack(Session& s, const at::Tensor& t) {
-  auto block = s.current_block();
-  if (block == nullptr) return THPVariable_Wrap(capture::detached_alias(t));
-  auto slot = std::make_unique<replay::SavedSlot>(block, block->pack(t, t.defined() && saved_as_itself(t)));
-  PyObject* capsule = PyCapsule_New(slot.get(), kSlotCapsule, &release_slot);
-  if (capsule != nullptr) slot.release();
-  return capsule;
-}
-
-at::Tensor unpack(PyObject* obj) {
-  if (THPVariable_Check(obj)) return THPVariable_Unpack(obj);
-  TAPESAC_CHECK(PyCapsule_IsValid(obj, kSlotCapsule), kGeneric,
-                "tapesac: unpack expected a tensor or a tapesac saved slot, got ", Py_TYPE(obj)->tp_name);
-  const auto* slot = static_cast<const replay::SavedSlot*>(PyCapsule_GetPointer(obj, kSlotCapsule));
-  py::gil_scoped_release no_gil;  // replay may be long; Python dispatch modes re-take the GIL
-  return slot->unpack();
-}
-
-// Note [Hooks without pybind11]. Autograd calls pack once per saved tensor: its call path is the forward's hot path.
-// pack_hook/unpack_hook are plain METH_O functions whose self is a capsule of the Session (its context a strong
-// reference to the Python Session object, which keeps it alive), skipping pybind11's overload dispatch and argument
-// casters: about 8,000 instructions per call, measured with perf/bench_record.py --instructions.
-constexpr const char* kSessionCapsule = "tapesac.Session";
-
-Session& session_of(PyObject* self) { return *static_cast<Session*>(PyCapsule_GetPointer(self, kSessionCapsule)); }
-
-// Note [Tensors packed as they are]. A saved tensor of a Python subclass (an nn.Parameter, a __torch_function__ or
-// __torch_dispatch__ subclass) or of another layout than strided (sparse, nested) is handed back to autograd as the
-// object itself: no slot, never dropped, unpacked as plain autograd unpacks it. A slot serves a tensor, and its Python
-// wrapper was a new torch.Tensor: ctx.saved_tensors lost the subclass (a backward that checks it gave other
-// gradients, under policy "none" too), a wrapper subclass without storage (torch's TwoTensor) segfaulted in the
-// backward's kernel, and a sparse saved tensor raised an untyped "Cannot access storage of SparseTensorImpl" at the
-// block's end (adversarial tests). Such tensors are the model's own (a parameter) or carry their own semantics:
-// keeping them costs no activation memory that tapesac could have saved.
-bool packed_as_is(PyObject* obj, const at::Tensor& t) {
-  return !THPVariable_CheckExact(obj) || (t.defined() && (t.layout() != c10::kStrided || t.is_nested()));
-}
-
-PyObject* pack_hook(PyObject* self, PyObject* arg) noexcept {
-  if (!THPVariable_Check(arg)) {
-    PyErr_Format(PyExc_TypeError, "tapesac: pack expected a tensor, got %s", Py_TYPE(arg)->tp_name);
-    return nullptr;
-  }
-  try {
-    const at::Tensor& t = THPVariable_Unpack(arg);
-    if (packed_as_is(arg, t)) {
-      Py_INCREF(arg);
-      return arg;
-    }
-    return pack(session_of(self), t);
-  } catch (...) {
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
-}
-
-PyObject* unpack_hook(PyObject* self, PyObject* arg) noexcept {
-  try {
-    return THPVariable_Wrap(unpack(arg));
-  } catch (...) {
-    session_of(self).note_backward_error();  // the step's backward failed (Session::backward_failed)
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
-}
-
-PyMethodDef g_pack_def = {"tapesac_pack", &pack_hook, METH_O, "tapesac's saved-tensor pack hook"};
-PyMethodDef g_unpack_def = {"tapesac_unpack", &unpack_hook, METH_O, "tapesac's saved-tensor unpack hook"};
-
-void release_session_capsule(PyObject* capsule) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule))); }
-
-// (pack, unpack) for torch.autograd.graph.saved_tensors_hooks, bound to `self`'s Session.
-py::tuple saved_tensor_hooks(const py::object& self) {
-  Session& s = self.cast<Session&>();
-  py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(&s, kSessionCapsule, &release_session_capsule));
-  if (!capsule) throw py::error_already_set();
-  PyCapsule_SetContext(capsule.ptr(), self.inc_ref().ptr());
-  py::object pack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&g_pack_def, capsule.ptr()));
-  py::object unpack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&g_unpack_def, capsule.ptr()));
-  if (!pack_fn || !unpack_fn) throw py::error_already_set();
-  return py::make_tuple(pack_fn, unpack_fn);
-}
-
 void bind_session_step(py::class_<Session>& c) {
   c.def("begin_step", &Session::begin_step, py::arg("params"))
       .def("end_step", &Session::end_step)
@@ -170,8 +67,6 @@ void bind_session_step(py::class_<Session>& c) {
              auto b = s.current_block();
              return b ? b->op_names() : std::vector<std::string>{};
            })
-      .def("saved_tensor_hooks", &saved_tensor_hooks,
-           "(pack, unpack) for torch.autograd.graph.saved_tensors_hooks, without pybind11 on the hot path")
       .def("shutdown", &Session::shutdown);
 }
 
@@ -227,6 +122,7 @@ void bind_replay(py::module_& m) {
               py::arg("graph_warmup") = 1, py::arg("max_graphs") = 8, py::arg("device_timing") = false,
               py::arg("graph_timing") = "first");
   bind_session_step(session);
+  bind_saved_hooks(m, session);
   bind_session_config(session);
   bind_session_results(session);
 }

@@ -21,6 +21,8 @@ void bind_errors(pybind11::module_& m);
 void set_python_error(std::exception_ptr p) noexcept;
 void bind_capture(pybind11::module_& m);
 void bind_replay(pybind11::module_& m);
+/// The Session's saved_tensor_hooks() and the switch of Note [Saved tensors without Python] (saved_hooks.cpp).
+void bind_saved_hooks(pybind11::module_& m, pybind11::class_<replay::Session>& session);
 void bind_allocator(pybind11::module_& m);
 void bind_runtime(pybind11::module_& m);
 void bind_stats(pybind11::module_& m);

@@ -38,7 +38,7 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
                 "tapesac: sac.step() was entered while a step of the same TapeSAC is open; steps cannot nest. "
                 "Close the first `with sac.step():` before opening the next.");
   const int64_t baseline = baseline_of(params);
-  backward_failed_.store(false, std::memory_order_relaxed);
+  backward_failed_->store(false, std::memory_order_relaxed);
   blocks_.clear();
   if (!allocator_use_) allocator_use_ = std::make_unique<allocator::CountingAllocatorUse>();
   memory_ = std::make_shared<StepMemory>(options_.timeline_points, baseline, options_.device_memory);

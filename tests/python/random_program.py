@@ -38,7 +38,8 @@ Issue 20's decision reuse (Note [Decisions reused]), from a fourth RNG: a progra
 before the compared one, on the same input (the compared step reuses the warm-up's keep/drop decisions) or on the
 same values laid out with other strides (the first block's tape differs, so it is decided afresh). From a fifth, a
 quarter of the programs record through at::RecordFunction instead of the dispatch hook (Program.hook, Note [Dispatch
-hook]): both must stay exact.
+hook]), and from a sixth a quarter save through autograd's Python saved-tensor hooks instead of tapesac's C++ ones
+(Program.saved_hooks, Note [Saved tensors without Python] in python/bindings/saved_hooks.cpp): all must stay exact.
 
 Reproduce one program: `cd tests/python && python3 -c "import random_program as R; R.check_program(SEED)"`;
 print it: `print(R.Program.generate(SEED))`.
@@ -329,6 +330,7 @@ DOUBLE_SHAPE = "double_backward"
 SCHEDULES = ("one_segment", "planned", "hold_all", "lazy")  # Config.schedule
 WARMUPS = ("none", "same", "strided")  # Program.warmup (issue 20)
 HOOKS = ("dispatch_key", "record_function")  # Program.hook (issue 20: Note [Dispatch hook])
+SAVED_HOOKS = ("cpp", "python")  # Program.saved_hooks (issue 20: Note [Saved tensors without Python])
 BACKENDS = ("eager", "emulated_graph")
 TWO_PASS_SHAPES = ("retain_twice", "two_losses", "grad_then_backward")
 
@@ -375,6 +377,7 @@ class Program:
     backend: str = "eager"  # BACKENDS: TapeSAC(backend=...)
     warmup: str = "none"  # WARMUPS: a warm-up step before the compared one (issue 20, Note [Decisions reused])
     hook: str = "dispatch_key"  # HOOKS: how the recorder sees operator calls (Note [Dispatch hook])
+    saved_hooks: str = "cpp"  # SAVED_HOOKS: how autograd hands tapesac its saved tensors
 
     @staticmethod
     def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
@@ -451,7 +454,8 @@ class Program:
         rng = random.Random(f"issue20-{self.seed}")
         warmup = rng.choices(WARMUPS, [5, 3, 2])[0]
         hook = "record_function" if random.Random(f"issue20-hook-{self.seed}").random() < 0.25 else "dispatch_key"
-        return dataclasses.replace(self, warmup=warmup, hook=hook)
+        saved = "python" if random.Random(f"issue20-saved-hooks-{self.seed}").random() < 0.25 else "cpp"
+        return dataclasses.replace(self, warmup=warmup, hook=hook, saved_hooks=saved)
 
     def _with_input_writes(self) -> "Program":
         """Blocks that write their own input in place before reading it (from their own RNG): the first block's input
@@ -625,7 +629,7 @@ class Program:
                  f"input_grad={self.input_grad}, contract={self.contract!r}, repeat_first={self.repeat_first}, "
                  f"tuple_out={self.tuple_out}, autocast={self.autocast}, step={self.step!r}, "
                  f"schedule={self.schedule!r}, backend={self.backend!r}, warmup={self.warmup!r}, "
-                 f"hook={self.hook!r})"]
+                 f"hook={self.hook!r}, saved_hooks={self.saved_hooks!r})"]
         for i, blk in enumerate(self.blocks):
             lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
         for w in self.data_writes:
@@ -1175,6 +1179,8 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
     initial = copy.deepcopy(model.state_dict()) if program.warmup_steps() else None
     hook_was = tapesac._C.recorder_hook()
     tapesac._C.set_recorder_hook(program.hook)
+    saved_was = tapesac._C.saved_hooks_in_cpp()
+    tapesac._C.set_saved_hooks_in_cpp(program.saved_hooks == "cpp")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sac = tapesac.TapeSAC(model, blocks=model.blocks, policy=policy, contract=program.contract,
@@ -1193,6 +1199,7 @@ def run_tapesac(model: nn.Module, program: Program, policy: Any) -> RunResult:
         finally:
             sac.close()
             tapesac._C.set_recorder_hook(hook_was)
+            tapesac._C.set_saved_hooks_in_cpp(saved_was)
     return _run_result(model, loss, x, stats, caught)
 
 

@@ -1,5 +1,5 @@
 """The saved-tensor hooks a step hands to autograd are plain C functions bound to the session (Note [Hooks without
-pybind11], bind_replay.cpp): their errors are typed like every binding's, they keep the session alive, and a step
+pybind11], saved_hooks.cpp): their errors are typed like every binding's, they keep the session alive, and a step
 through them is exact."""
 
 from __future__ import annotations

@@ -612,7 +612,7 @@ class _OddTensors(nn.Module):
 @pytest.mark.parametrize("policy", ["none", "full"])
 @pytest.mark.parametrize("kind", ["subclass", "sparse", "wrapper"])
 def test_saved_tensors_of_subclasses_and_other_layouts_are_packed_as_they_are(kind: str, policy: str) -> None:
-    """Adversarial tests (Note [Tensors packed as they are], python/bindings/bind_replay.cpp): ctx.saved_tensors came
+    """Adversarial tests (Note [Tensors packed as they are], python/bindings/saved_hooks.cpp): ctx.saved_tensors came
     back as plain torch.Tensor — a backward checking for its subclass gave other gradients, under "none" too (for a
     saved tensor that requires grad autograd itself re-wraps what an unpack hook returns: a limit of every
     saved-tensor hook, README); torch's TwoTensor (a __torch_dispatch__ wrapper) as block input segfaulted in the backward; a sparse

@@ -47,8 +47,10 @@ class Session {
   /// An unpack of this step raised (a MemoryLimitError or ReplayContractError in the backward): the step's backward
   /// failed; the step-free mode ends such a step as failed at the next block forward (attach.py). Reset by
   /// begin_step(). Any thread.
-  bool backward_failed() const { return backward_failed_.load(std::memory_order_relaxed); }
-  void note_backward_error() noexcept { backward_failed_.store(true, std::memory_order_relaxed); }
+  bool backward_failed() const { return backward_failed_->load(std::memory_order_relaxed); }
+  void note_backward_error() noexcept { backward_failed_->store(true, std::memory_order_relaxed); }
+  /// The flag behind backward_failed(), for a saved-tensor handle that may outlive the Session.
+  std::shared_ptr<std::atomic<bool>> backward_failed_flag() const { return backward_failed_; }
 
   /// Opens a block call (starts recording on this thread). Returns nullptr when a block is already open (nested
   /// blocks record into the outer one).
@@ -128,7 +130,7 @@ class Session {
 
   SessionOptions options_;
   bool in_step_ = false;
-  std::atomic<bool> backward_failed_{false};
+  std::shared_ptr<std::atomic<bool>> backward_failed_ = std::make_shared<std::atomic<bool>>(false);
   std::unordered_set<const void*> param_storages_;
   SaveOpCache save_cache_;
   std::vector<std::shared_ptr<BlockCall>> blocks_;

@@ -15,6 +15,8 @@
 #     sac_none     inside `with sac.step()` under TapeSAC(policy="none"): the recorder runs and the pack hooks
 #                  keep everything; the step exits without backward (the API allows it);
 #     sac_full     the same with policy="full" (records and also drops, then frees at step exit);
+#     sac_none_pyhooks, sac_full_pyhooks  the same through autograd's Python saved-tensor hooks (Note [Saved tensors
+#                  without Python] off for their forwards): both paths side by side in one run;
 #     py_hooks     identity Python saved-tensor hooks: the floor of any pack/unpack hook called from autograd;
 #     py_mode      a do-nothing Python TorchDispatchMode: the cost tapesac avoids by recording in C++.
 # - Validation before timing: every variant's output is bitwise equal to plain's.
@@ -198,6 +200,20 @@ def make_variants(mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str
                 return y
 
             out[name] = {"fn": fn, "sac": sac, "mod": m}
+        elif name in ("sac_none_pyhooks", "sac_full_pyhooks"):
+            sac = tapesac.TapeSAC(m, blocks="blocks.*", policy=name.split("_")[1])
+
+            def fn(m=m, sac=sac):
+                was = tapesac._C.saved_hooks_in_cpp()
+                tapesac._C.set_saved_hooks_in_cpp(False)
+                try:
+                    with sac.step():
+                        y = m(x)
+                finally:
+                    tapesac._C.set_saved_hooks_in_cpp(was)
+                return y
+
+            out[name] = {"fn": fn, "sac": sac, "mod": m}
         elif name == "rec_only":
 
             def fn(m=m):
@@ -222,8 +238,8 @@ def make_variants(mod: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str
 
             out[name] = {"fn": fn, "sac": None, "mod": m, "mode": mode}
         else:
-            raise SystemExit(f"unknown variant {name!r}; expected plain, rec_only, sac_none, sac_full, py_hooks, "
-                             "py_mode")
+            raise SystemExit(f"unknown variant {name!r}; expected plain, rec_only, sac_none, sac_full, "
+                             "sac_none_pyhooks, sac_full_pyhooks, py_hooks, py_mode")
     return out
 
 
@@ -465,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: smallops,qwen3_layer,blocks (--blocks blocks of 2 ops: the per-block cost)")
     p.add_argument("--blocks", type=int, default=48, help="blocks of the 'blocks' workload")
     p.add_argument("--variants", default="plain,rec_only,sac_none,sac_full,py_hooks,py_mode",
-                   help="comma-separated, plain first: plain,rec_only,sac_none,sac_full,py_hooks,py_mode")
+                   help="comma-separated, plain first: plain,rec_only,sac_none,sac_full,sac_none_pyhooks,"
+                        "sac_full_pyhooks,py_hooks,py_mode")
     p.add_argument("--ops", type=int, default=200, help="smallops: ops per forward (default 200)")
     p.add_argument("--size", type=int, default=8, help="smallops: tensor side (default 8)")
     p.add_argument("--hidden", type=int, default=128, help="qwen3_layer: width (default 128)")

@@ -7,6 +7,7 @@
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -15,7 +16,7 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
+#include <strings.h>
 #include <mutex>
 #include <optional>
 #include <type_traits>
@@ -132,11 +133,23 @@ PyObject* pack_hook(PyObject* self, PyObject* arg) noexcept {
   }
 }
 
+constexpr const char* kFailedFlagCapsule = "tapesac.BackwardFailed";
+
+void release_failed_flag(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<std::atomic<bool>>*>(PyCapsule_GetPointer(capsule, kFailedFlagCapsule));
+}
+
 PyObject* unpack_hook(PyObject* self, PyObject* arg) noexcept {
   try {
     return THPVariable_Wrap(unpack(arg));
   } catch (...) {
-    session_of(self).note_backward_error();  // the step's backward failed (Session::backward_failed)
+    // The step's backward failed (Session::backward_failed): `self` is the session's capsule, or the flag's
+    // (the unpack function handed to compiled autograd, TapeSavedHooks::retrieve_unpack_hook_data).
+    if (PyCapsule_IsValid(self, kSessionCapsule)) {
+      session_of(self).note_backward_error();
+    } else if (PyCapsule_IsValid(self, kFailedFlagCapsule)) {
+      (*static_cast<std::shared_ptr<std::atomic<bool>>*>(PyCapsule_GetPointer(self, kFailedFlagCapsule)))->store(true);
+    }
     set_python_error(std::current_exception());
     return nullptr;
   }
@@ -159,8 +172,8 @@ PyMethodDef g_unpack_def = {"tapesac_unpack", &unpack_hook, METH_O, "tapesac's s
 // The engine is swapped back when the last session's pair is gone (release_session_capsule). TAPESAC_SAVED_HOOKS=
 // python (or _C.set_saved_hooks_in_cpp(False)) keeps the Python pair's path.
 std::atomic<bool> g_cpp_hooks{[] {
-  const char* v = std::getenv("TAPESAC_SAVED_HOOKS");
-  return kCppHooksBuilt && (v == nullptr || std::strcmp(v, "python") != 0);
+  const char* v = std::getenv("TAPESAC_SAVED_HOOKS");  // validated by tapesac/__init__.py: "", "cpp" or "python"
+  return kCppHooksBuilt && (v == nullptr || strcasecmp(v, "python") != 0);
 }()};
 
 // The session whose pair is innermost on this thread's saved-tensor hook stack, if hooks apply to a save now.
@@ -187,9 +200,21 @@ Session* session_on_top() {
 
 thread_local int64_t t_cpp_packs = 0;  // saves packed by TapeSavedHooks on this thread (tests: which path ran)
 
+// One SavedVariable's hooks: its slot of the open block call (or the tensor itself: no block open, or packed as it
+// is). Compiled autograd asks for Python hook data instead (retrieve_unpack_hook_data): the slot then moves into a
+// capsule, served by the pair's unpack function as the Python path serves it, and call_unpack_hook reads it there.
 class TapeSavedHooks final : public ag::SavedVariableHooks {
  public:
   explicit TapeSavedHooks(Session& s) : session_(&s) {}
+  TapeSavedHooks(const TapeSavedHooks&) = delete;
+  TapeSavedHooks& operator=(const TapeSavedHooks&) = delete;
+
+  ~TapeSavedHooks() override {
+    if (capsule_ != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(capsule_);
+    }
+  }
 
   void call_pack_hook(const at::Tensor& t) override {
     ++t_cpp_packs;
@@ -209,30 +234,58 @@ class TapeSavedHooks final : public ag::SavedVariableHooks {
   }
 
   at::Tensor call_unpack_hook() override {
-    if (!slot_) return tensor_;
+    const SavedSlot* slot = slot_ ? &*slot_ : capsule_slot();
+    if (slot == nullptr) return tensor_;
     try {
       if (PyGILState_Check()) {  // unpacked from Python (grad_fn._saved_*): replay without the GIL
         py::gil_scoped_release no_gil;
-        return slot_->unpack();
+        return slot->unpack();
       }
-      return slot_->unpack();
+      return slot->unpack();
     } catch (...) {
-      backward_failed_->store(true, std::memory_order_relaxed);  // Session::backward_failed
+      if (backward_failed_) backward_failed_->store(true, std::memory_order_relaxed);  // Session::backward_failed
       rethrow_as_python(std::current_exception());
     }
   }
 
   std::optional<std::pair<c10::SafePyObject, c10::SafePyObject>> retrieve_unpack_hook_data() const override {
-    TAPESAC_CHECK(false, kConfig,
-                  "tapesac: compiled autograd needs Python saved-tensor hooks; set TAPESAC_SAVED_HOOKS=python before "
-                  "importing tapesac (or call tapesac._C.set_saved_hooks_in_cpp(False) before the step)");
+    py::gil_scoped_acquire gil;
+    if (capsule_ == nullptr) {
+      if (slot_) {
+        auto heap = std::make_unique<SavedSlot>(std::move(*slot_));
+        slot_.reset();
+        capsule_ = PyCapsule_New(heap.get(), kSlotCapsule, &release_slot);
+        if (capsule_ != nullptr) heap.release();
+      } else {
+        capsule_ = THPVariable_Wrap(tensor_);
+      }
+      if (capsule_ == nullptr) throw python_error();
+    }
+    auto* flag = new std::shared_ptr<std::atomic<bool>>(backward_failed_);
+    PyObject* flag_capsule = PyCapsule_New(flag, kFailedFlagCapsule, &release_failed_flag);
+    if (flag_capsule == nullptr) {
+      delete flag;
+      throw python_error();
+    }
+    PyObject* fn = PyCFunction_New(&g_unpack_def, flag_capsule);
+    Py_DECREF(flag_capsule);  // the function holds it
+    if (fn == nullptr) throw python_error();
+    Py_INCREF(capsule_);
+    c10::impl::PyInterpreter* interp = getPyInterpreter();
+    return std::make_pair(c10::SafePyObject(fn, interp), c10::SafePyObject(capsule_, interp));
   }
 
  private:
+  const SavedSlot* capsule_slot() const {
+    if (capsule_ == nullptr || !PyCapsule_IsValid(capsule_, kSlotCapsule)) return nullptr;
+    return static_cast<const SavedSlot*>(PyCapsule_GetPointer(capsule_, kSlotCapsule));
+  }
+
   Session* session_;
-  std::optional<SavedSlot> slot_;
+  mutable std::optional<SavedSlot> slot_;
   at::Tensor tensor_;
   std::shared_ptr<std::atomic<bool>> backward_failed_;
+  mutable PyObject* capsule_ = nullptr;  // compiled autograd's data: the slot's capsule, or the tensor's object
 };
 
 ag::Engine* g_previous = nullptr;  // the default engine the HookingEngine forwards to (torch's PythonEngine)

@@ -7,6 +7,21 @@ producers of the tensors autograd consumes. See README.md for the guide and DESI
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from .errors import CaptureError, ConfigError, MemoryLimitError, ReplayContractError, TapeSACError
+
+
+def _check_saved_hooks_env() -> None:
+    # TAPESAC_SAVED_HOOKS picks how autograd hands tapesac its saved tensors (README, How it works, step 1); the
+    # extension reads it when loaded, so a misspelt value is refused before that.
+    import os
+
+    value = os.environ.get("TAPESAC_SAVED_HOOKS", "")
+    if value.lower() not in ("", "cpp", "python"):
+        raise ConfigError(f"TAPESAC_SAVED_HOOKS={value!r}: expected 'cpp' (the default: C++ saved-tensor hooks) or "
+                          "'python' (autograd's Python saved-tensor hooks, e.g. for compiled autograd); unset it or "
+                          "set one of those")
+
+
+_check_saved_hooks_env()
 from . import _C  # noqa: E402
 from .config import Approx, Config
 from .core import TapeSAC, record_ops

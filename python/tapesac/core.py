@@ -213,14 +213,18 @@ class TapeSAC:
                     "block out of `blocks=`.") from e
             raise
         finally:
+            closed = self._closed  # sac.close() inside the step removed its hooks and ended it
             try:
-                self._hooks.remove()
-                self._session.end_step()
+                if not closed:
+                    self._hooks.remove()
+                    self._session.end_step()
             finally:
                 if _active_steps.get(thread) is self:
                     del _active_steps[thread]
                 self._in_step = False
-            if not began:  # begin_step raised, or an interrupt came before it returned
+            if closed:
+                pass
+            elif not began:  # begin_step raised, or an interrupt came before it returned
                 self._conflicts.after_step(None)
             else:
                 self._steps += 1
@@ -237,6 +241,8 @@ class TapeSAC:
                         f"plan and the statistics may have been wrong meanwhile). Exit every step you enter: `with "
                         f"sac.step():` around forward and backward, or __exit__ after the backward in a callback; or "
                         f"let tapesac delimit the steps (sac.attach(optimizer), tapesac.integrations).")
+        if self._closed:  # closed inside the step: nothing of it is measured or planned
+            return
         self._raise_policy_error()
         # Only after a step that finished: plan (policy "auto") and choose preservation from what it measured.
         self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)
@@ -402,7 +408,7 @@ class TapeSAC:
         if self._attachment is not None:
             self._attachment.detach()
         self._conflicts.close()
-        self._hooks.close_open_blocks()
+        self._hooks.remove()  # inside an open step (its `with` exits after this): its hooks go too
         self._get_timeline()  # report() after close() still shows the last step's timeline
         self._session.shutdown()
         self._log.close()

@@ -97,7 +97,10 @@ class StepHooks:
             self._handles.append(module.register_forward_hook(CopiesInert(self._post_hook(module)), always_call=True))
 
     def remove(self) -> None:
-        """Removes the hooks and closes every open block call (also if closing one raises)."""
+        """Removes the hooks and closes every open block call (also if closing one raises). A module call that
+        gathered them before still runs them: with no step thread they pass (sac.close() in a pre-hook that ran before
+        tapesac's opened a block call of the closed session, and its recorder stayed active on the thread)."""
+        self._thread = None
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()

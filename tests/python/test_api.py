@@ -884,3 +884,55 @@ def test_a_log_file_has_one_writer(tapesac, tmp_path) -> None:
         model(x_in()).sum().backward()
     second.close()
     assert tapesac.StepReport.from_jsonl(path).last["step"] == 1
+
+
+@pytest.mark.parametrize("where", ["in_block", "before_backward", "after_backward"])
+def test_close_inside_an_open_step_ends_it_and_leaves_nothing(tapesac, where: str) -> None:
+    """An adversarial test: `sac.close()` ("ends any open step") called inside `with sac.step():` left the step's
+    hooks on every block and the `with` exit raised an untyped AttributeError; the model, trained plainly afterwards,
+    still went through tapesac's hooks. Now close() removes them, the exit is clean, a backward over the closed step's
+    graph raises a typed error, and the model trains as plain PyTorch after."""
+    import gc
+
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    count = lambda: [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks]  # noqa: E731
+    before = count()
+    gc.collect()
+    users = tapesac._C.hooking_engine_users()
+    x = torch.randn(4, M.D)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    closing = {"on": where == "in_block"}
+
+    def close_in_forward(module, args):
+        if closing["on"]:
+            closing["on"] = False
+            sac.close()
+
+    # in_block: from inside block 0's forward (fc2's pre-hook: fc1 and gelu saved already), its block call open
+    handle = model.blocks[0].fc2.register_forward_pre_hook(close_in_forward)
+    try:
+        if where == "after_backward":
+            with sac.step():
+                model(x).square().mean().backward()
+                sac.close()
+        else:
+            with pytest.raises(tapesac.TapeSACError, match="unpacked after its step ended"):
+                with sac.step():
+                    loss = model(x).square().mean()
+                    if where == "before_backward":
+                        sac.close()
+                    loss.backward()
+            del loss
+    finally:
+        handle.remove()
+    assert count() == before, (count(), before)
+    del sac
+    gc.collect()
+    assert tapesac._C.hooking_engine_users() == users
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)
+    packs = tapesac._C.cpp_saved_packs()
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert tapesac._C.cpp_saved_packs() == packs
+    assert_same_grads(model, ref)

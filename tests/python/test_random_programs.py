@@ -161,6 +161,11 @@ def test_generator_covers_the_schedules_and_backends() -> None:
     assert {p.warmup_steps() for p in programs} == {0, 1, 2}
     warmups = Counter(p.warmup for p in programs)
     assert set(warmups) == set(R.WARMUPS) and min(warmups.values()) >= 50, warmups  # issue 20: decisions reused
+    # issue 20: both ways autograd hands tapesac its saved tensors (Note [Saved tensors without Python]), and both
+    # recorder hooks, under every schedule
+    saved = Counter((p.saved_hooks, p.schedule) for p in programs)
+    assert all(saved[(h, s)] >= 15 for h in R.SAVED_HOOKS for s in R.SCHEDULES), saved
+    assert min(Counter(p.hook for p in programs).values()) >= 75
 
 
 def test_generator_is_deterministic() -> None:

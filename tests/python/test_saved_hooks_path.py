@@ -211,3 +211,41 @@ def test_an_error_in_the_backward_keeps_its_type(saved_hooks: str) -> None:
         assert_same_grads(model, ref)
     finally:
         sac.close()
+
+
+def test_compiled_autograd_is_exact_and_drops(saved_hooks: str) -> None:
+    """Compiled autograd asks each saved tensor's hooks for Python data (SavedVariableHooks::
+    retrieve_unpack_hook_data): the C++ hooks hand over their slot in a capsule with the pair's unpack function (an
+    adversarial test: they raised before, where the Python path worked)."""
+    from torch._dynamo import compiled_autograd
+
+    model = _model(2)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    _loss(ref, x).backward()
+    sac = tapesac.TapeSAC(model, blocks=list(model), policy="full")
+    try:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with sac.step():
+                loss = _loss(model, x)
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            assert_same_grads(model, ref)
+            assert sac.last_step.dropped_tensors > 0 and sac.last_step.ops_replayed > 0
+    finally:
+        sac.close()
+        torch._dynamo.reset()
+
+
+def test_a_misspelt_saved_hooks_variable_is_refused() -> None:
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, TAPESAC_SAVED_HOOKS="off")
+    r = subprocess.run([sys.executable, "-c", "import tapesac"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "ConfigError" in r.stderr and "TAPESAC_SAVED_HOOKS='off'" in r.stderr, r.stderr
+    env["TAPESAC_SAVED_HOOKS"] = "Python"
+    r = subprocess.run([sys.executable, "-c", "import tapesac; print(tapesac._C.saved_hooks_in_cpp())"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

@@ -314,9 +314,14 @@ class BlockCall : public capture::RecorderListener,
 class SavedSlot {
  public:
   SavedSlot(std::shared_ptr<BlockCall> block, int32_t slot) : block_(std::move(block)), slot_(slot) {}
-  ~SavedSlot() { block_->release(slot_); }
+  ~SavedSlot() {
+    if (block_) block_->release(slot_);
+  }
+  /// Hands the slot over (the moved-from handle releases nothing).
+  SavedSlot(SavedSlot&& other) noexcept : block_(std::move(other.block_)), slot_(other.slot_) {}
   SavedSlot(const SavedSlot&) = delete;
   SavedSlot& operator=(const SavedSlot&) = delete;
+  SavedSlot& operator=(SavedSlot&&) = delete;
   at::Tensor unpack() const { return block_->unpack(slot_); }
   int32_t slot() const { return slot_; }
 

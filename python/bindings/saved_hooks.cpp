@@ -5,6 +5,7 @@
 // - Note [Saved tensors without Python]: while that pair is the innermost on the stack, autograd's engine hands each
 //   SavedVariable C++ hooks that do the same without a Python object, the GIL or pybind11.
 #include <ATen/SavedTensorHooks.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
@@ -139,8 +140,36 @@ void release_failed_flag(PyObject* capsule) {
   delete static_cast<std::shared_ptr<std::atomic<bool>>*>(PyCapsule_GetPointer(capsule, kFailedFlagCapsule));
 }
 
+// Note [Compiled autograd and create_graph]. Compiled autograd serves what an unpack hook returns without the
+// autograd history that eager autograd's SavedVariable::unpack reattaches, and tapesac's saved tensors (served from a
+// slot, replayed, or aliased) have none of their own: under create_graph=True the higher-order gradients through
+// them came out silently wrong (an adversarial test: 4.5 off, both paths; plain PyTorch with a detaching pack hook
+// raises instead). Refused: the unpack function compiled autograd calls (the C++ hooks' own, whose self is the flag
+// capsule; the pair's, called while torch._dynamo.compiled_autograd.in_compiled_autograd_region) with grad mode on,
+// which under compiled autograd is create_graph.
+bool compiled_autograd_with_create_graph(PyObject* self) {
+  if (!c10::GradMode::is_enabled()) return false;
+  if (PyCapsule_IsValid(self, kFailedFlagCapsule)) return true;
+  PyObject* modules = PyImport_GetModuleDict();  // borrowed; the module is not imported here
+  PyObject* ca = modules != nullptr ? PyDict_GetItemString(modules, "torch._dynamo.compiled_autograd") : nullptr;
+  if (ca == nullptr) return false;
+  PyObject* region = PyObject_GetAttrString(ca, "in_compiled_autograd_region");
+  if (region == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool in_region = PyObject_IsTrue(region) == 1;
+  Py_DECREF(region);
+  return in_region;
+}
+
 PyObject* unpack_hook(PyObject* self, PyObject* arg) noexcept {
   try {
+    TAPESAC_CHECK(!compiled_autograd_with_create_graph(self), kConfig,
+                  "tapesac: a backward with create_graph=True under compiled autograd: compiled autograd serves "
+                  "saved tensors without the autograd history eager autograd reattaches, so gradients through "
+                  "tapesac's saved tensors would be wrong. Run that backward without compiled autograd, or without "
+                  "create_graph (Note [Compiled autograd and create_graph])");
     return THPVariable_Wrap(unpack(arg));
   } catch (...) {
     // The step's backward failed (Session::backward_failed): `self` is the session's capsule, or the flag's

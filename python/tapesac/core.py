@@ -405,6 +405,12 @@ class TapeSAC:
         (a closed TapeSAC held for its report kept the model and its gradients alive: an adversarial test)."""
         if self._closed:
             return
+        if self._in_step and _active_steps.get(threading.get_ident()) is not self:
+            # The step's saved-tensor hooks and its memory counter live in the step thread's thread-locals: ended
+            # from here they stayed there, and the step thread's next allocations counted into a freed counter (an
+            # adversarial test: heap corruption after the TapeSAC was dropped).
+            raise TapeSACError("sac.close() called from another thread while a step of this TapeSAC is open on its "
+                               "own thread; close it from the step's thread, or after the step ends")
         if self._attachment is not None:
             self._attachment.detach()
         self._conflicts.close()

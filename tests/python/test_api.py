@@ -936,3 +936,42 @@ def test_close_inside_an_open_step_ends_it_and_leaves_nothing(tapesac, where: st
     ref(x).square().mean().backward()
     assert tapesac._C.cpp_saved_packs() == packs
     assert_same_grads(model, ref)
+
+
+def test_close_from_another_thread_during_a_step_is_refused(tapesac) -> None:
+    """An adversarial test: sac.close() run by another thread while the step's thread was inside a block's forward
+    ended the step there, but its saved-tensor hooks and memory counter are the step thread's thread-locals: they
+    stayed, and after the TapeSAC was dropped the step thread's allocations counted into a freed counter (heap
+    corruption). Refused now with a typed error; the step goes on exact and close() after it works."""
+    import threading
+
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, M.D)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    errors: list[BaseException] = []
+
+    def close_elsewhere(module, args, output):
+        def run():
+            try:
+                sac.close()
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+
+    handle = model.blocks[0].fc1.register_forward_hook(close_elsewhere)
+    try:
+        with sac.step():
+            model(x).square().mean().backward()
+    finally:
+        handle.remove()
+    assert len(errors) == 1 and isinstance(errors[0], tapesac.TapeSACError), errors
+    assert "another thread" in str(errors[0])
+    ref(x).square().mean().backward()
+    assert_same_grads(model, ref)
+    assert sac.last_step.ops_replayed > 0
+    sac.close()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None

@@ -415,6 +415,11 @@ class TapeSAC:
             self._attachment.detach()
         self._conflicts.close()
         self._hooks.remove()  # inside an open step (its `with` exits after this): its hooks go too
+        if self._in_step:  # the step is over: another TapeSAC may start one inside the same `with` block
+            thread = threading.get_ident()
+            if _active_steps.get(thread) is self:
+                del _active_steps[thread]
+            self._in_step = False
         self._get_timeline()  # report() after close() still shows the last step's timeline
         self._session.shutdown()
         self._log.close()

@@ -938,6 +938,25 @@ def test_close_inside_an_open_step_ends_it_and_leaves_nothing(tapesac, where: st
     assert_same_grads(model, ref)
 
 
+def test_a_new_tapesac_steps_inside_the_with_block_of_one_closed_there(tapesac) -> None:
+    """An adversarial test: after sac.close() inside `with sac.step():`, sac.in_step stayed True and a new TapeSAC on
+    the model could not start a step before that `with` exited ("steps cannot nest")."""
+    model = M.Stack([M.MLPBlock(), M.MLPBlock()])
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, M.D)
+    first = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    with first.step():
+        first.close()
+        assert not first.in_step
+        second = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+        with second.step():
+            model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert_same_grads(model, ref)
+    assert second.last_step.ops_replayed > 0
+    second.close()
+
+
 def test_close_from_another_thread_during_a_step_is_refused(tapesac) -> None:
     """An adversarial test: sac.close() run by another thread while the step's thread was inside a block's forward
     ended the step there, but its saved-tensor hooks and memory counter are the step thread's thread-locals: they

@@ -475,6 +475,34 @@ def print_instructions(results: list[dict[str, Any]]) -> None:
                   + (f" {over:18,.0f}" if over is not None else ""))
 
 
+def write_json(args: argparse.Namespace, benchmark: str, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    out = {"schema_version": 1, "benchmark": benchmark, "environment": env,
+           "args": {k: v for k, v in vars(args).items()}, "results": results}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def run_instructions(args: argparse.Namespace, raw_argv: list[str], env: dict[str, Any]) -> int:
+    """--instructions: one callgrind child per workload (the same arguments, without --instructions and --json)."""
+    t0 = time.perf_counter()
+    child_argv = [a for a in raw_argv if a not in ("--instructions",)]
+    if "--json" in child_argv:
+        i = child_argv.index("--json")
+        del child_argv[i:i + 2]
+    child_argv = [a for a in child_argv if not a.startswith("--json=")]
+    print(f"bench_record --instructions: torch {env['torch']}, {harness.describe_provenance(env)}; "
+          f"{args.forwards} forwards per variant")
+    results = [bench_instructions(w.strip(), args, child_argv) for w in args.workloads.split(",") if w.strip()]
+    print_instructions(results)
+    print(f"\n(instructions counted by callgrind; overhead = (variant - plain) / recorded ops; "
+          f"{time.perf_counter() - t0:.1f} s)")
+    if args.json:
+        write_json(args, "bench_record_instructions", env, results)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Per-op cost of tapesac's tape recording (CPU, forward only).")
     p.add_argument("--workloads", default="smallops,qwen3_layer",
@@ -521,25 +549,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = harness.environment()
     if args.instructions:
-        t0 = time.perf_counter()
-        child_argv = [a for a in raw_argv if a not in ("--instructions",)]
-        if "--json" in child_argv:
-            i = child_argv.index("--json")
-            del child_argv[i:i + 2]
-        child_argv = [a for a in child_argv if not a.startswith("--json=")]
-        print(f"bench_record --instructions: torch {env['torch']}, {harness.describe_provenance(env)}; "
-              f"{args.forwards} forwards per variant")
-        results = [bench_instructions(w.strip(), args, child_argv) for w in args.workloads.split(",") if w.strip()]
-        print_instructions(results)
-        print(f"\n(instructions counted by callgrind; overhead = (variant - plain) / recorded ops; "
-              f"{time.perf_counter() - t0:.1f} s)")
-        if args.json:
-            out = {"schema_version": 1, "benchmark": "bench_record_instructions", "environment": env,
-                   "args": {k: v for k, v in vars(args).items()}, "results": results}
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-            print(f"wrote {args.json}")
-        return 0
+        return run_instructions(args, raw_argv, env)
     print(f"bench_record: torch {env['torch']}, {env['threads']} threads, {env['cpu']}, "
           f"{harness.describe_provenance(env)}; {args.rounds} rounds after {args.warmup} warm-up")
     t0 = time.perf_counter()
@@ -549,12 +559,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(min t_variant - min t_plain) / ops; net = overhead - empty step / ops; "
           f"{time.perf_counter() - t0:.1f} s)")
     if args.json:
-        out = {"schema_version": 1, "benchmark": "bench_record", "environment": env,
-               "args": {k: v for k, v in vars(args).items()}, "results": results}
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(args, "bench_record", env, results)
     bad = [k for r in results for k in r["errors"] if k not in ("record_ops",)]
     return 1 if bad else 0
 

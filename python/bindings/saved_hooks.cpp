@@ -90,15 +90,28 @@ void release_slot(PyObject* capsule) {
   delete static_cast<SavedSlot*>(PyCapsule_GetPointer(capsule, kSlotCapsule));
 }
 
+// Both ways in: `t`'s slot in the session's open block call; none when no block call is open (the caller keeps a
+// detached alias of `t`).
+std::optional<SavedSlot> slot_for(Session& s, const at::Tensor& t) {
+  auto block = s.current_block();
+  if (block == nullptr) return std::nullopt;
+  const int32_t slot = block->pack(t, t.defined() && saved_as_itself(t));
+  return std::optional<SavedSlot>(std::in_place, std::move(block), slot);
+}
+
 // A capsule is the cheapest Python object with a destructor: autograd drops it with the graph node that saved the
 // tensor, which releases the slot.
-PyObject* pack(Session& s, const at::Tensor& t) {
-  auto block = s.current_block();
-  if (block == nullptr) return THPVariable_Wrap(capture::detached_alias(t));
-  auto slot = std::make_unique<SavedSlot>(block, block->pack(t, t.defined() && saved_as_itself(t)));
-  PyObject* capsule = PyCapsule_New(slot.get(), kSlotCapsule, &release_slot);
-  if (capsule != nullptr) slot.release();
+PyObject* slot_capsule(SavedSlot&& slot) {
+  auto heap = std::make_unique<SavedSlot>(std::move(slot));
+  PyObject* capsule = PyCapsule_New(heap.get(), kSlotCapsule, &release_slot);
+  if (capsule != nullptr) heap.release();
   return capsule;
+}
+
+PyObject* pack(Session& s, const at::Tensor& t) {
+  std::optional<SavedSlot> slot = slot_for(s, t);
+  if (!slot) return THPVariable_Wrap(capture::detached_alias(t));
+  return slot_capsule(std::move(*slot));
 }
 
 at::Tensor unpack(PyObject* obj) {
@@ -250,8 +263,8 @@ class TapeSavedHooks final : public ag::SavedVariableHooks {
     try {
       if (subclass_object(t) || other_layout(t)) {  // Note [Tensors packed as they are]
         tensor_ = t;
-      } else if (auto block = session_->current_block()) {
-        slot_.emplace(block, block->pack(t, saved_as_itself(t)));
+      } else if (std::optional<SavedSlot> slot = slot_for(*session_, t)) {
+        slot_.emplace(std::move(*slot));
         backward_failed_ = session_->backward_failed_flag();
       } else {
         tensor_ = capture::detached_alias(t);
@@ -281,10 +294,8 @@ class TapeSavedHooks final : public ag::SavedVariableHooks {
     py::gil_scoped_acquire gil;
     if (capsule_ == nullptr) {
       if (slot_) {
-        auto heap = std::make_unique<SavedSlot>(std::move(*slot_));
+        capsule_ = slot_capsule(std::move(*slot_));
         slot_.reset();
-        capsule_ = PyCapsule_New(heap.get(), kSlotCapsule, &release_slot);
-        if (capsule_ != nullptr) heap.release();
       } else {
         capsule_ = THPVariable_Wrap(tensor_);
       }

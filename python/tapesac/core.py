@@ -219,10 +219,8 @@ class TapeSAC:
                     self._hooks.remove()
                     self._session.end_step()
             finally:
-                if _active_steps.get(thread) is self:
-                    del _active_steps[thread]
-                self._in_step = False
-            if closed:
+                self._leave_step(thread)
+            if closed:  # nothing of a step close() ended is counted (no `return` here: it would drop an exception)
                 pass
             elif not began:  # begin_step raised, or an interrupt came before it returned
                 self._conflicts.after_step(None)
@@ -400,6 +398,12 @@ class TapeSAC:
         self._attachment = Attachment(self, optimizer)
         return self._attachment
 
+    def _leave_step(self, thread: int) -> None:
+        """This TapeSAC's step on `thread` is over (its `with` exits, or close() ended it inside)."""
+        if _active_steps.get(thread) is self:
+            del _active_steps[thread]
+        self._in_step = False
+
     def close(self) -> None:
         """Ends any open step and releases the runtime; the model is left exactly as it was, and no longer referenced
         (a closed TapeSAC held for its report kept the model and its gradients alive: an adversarial test)."""
@@ -416,10 +420,7 @@ class TapeSAC:
         self._conflicts.close()
         self._hooks.remove()  # inside an open step (its `with` exits after this): its hooks go too
         if self._in_step:  # the step is over: another TapeSAC may start one inside the same `with` block
-            thread = threading.get_ident()
-            if _active_steps.get(thread) is self:
-                del _active_steps[thread]
-            self._in_step = False
+            self._leave_step(threading.get_ident())
         self._get_timeline()  # report() after close() still shows the last step's timeline
         self._session.shutdown()
         self._log.close()

@@ -36,7 +36,7 @@ from .memory import MemoryStats, parse_memory_limit
 from .policy import CallablePolicy, OpSetPolicy, parse_policy
 from .preserve import Trial
 from .session_setup import make_session
-from .stats import BlockStats, StepStats, append_to_history, block_stats_from, step_stats_from
+from .stats import BlockStats, StepStats, append_to_history, blocks_on_demand, capture_errors, step_stats_from
 from .step_context import StepContext
 
 __all__ = ["TapeSAC", "Approx", "Config", "StepStats", "BlockStats", "record_ops"]
@@ -267,11 +267,10 @@ class TapeSAC:
         return self._timeline
 
     def _collect(self, seconds: float) -> StepStats:
-        blocks = tuple(block_stats_from(b) for b in self._session.last_stats_rows())
-        for b in blocks:
-            if b.capture_error:
-                self._once.warning(("capture", b.name, b.capture_error),
-                                   f"tapesac: block {b.name}: {b.capture_error}; its tensors were kept")
+        rows = self._session.last_stats_rows()
+        for name, error in capture_errors(rows):
+            self._once.warning(("capture", name, error), f"tapesac: block {name}: {error}; its tensors were kept")
+        blocks = blocks_on_demand(rows)  # Note [Block statistics on demand] (stats.py)
         raw = self._session.last_memory(timeline=False)  # the timeline is converted on demand (_get_timeline)
         cuda_peak = None
         if self._device.type == "cuda":

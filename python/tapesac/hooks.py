@@ -25,15 +25,17 @@ tensors are saved by autograd as usual (kept), and the step counts it (`StepHook
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import sys
 import threading
+from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from .inert import CopiesInert
+from .inert import Inert
 
 __all__ = ["StepHooks"]
 
@@ -92,9 +94,7 @@ class StepHooks:
         self.aside_calls = 0
         self._installed += 1
         for name, module in self._blocks:
-            # CopiesInert: a deep copy or a pickle of the model made inside the step gets inert hooks (the inert module).
-            self._handles.append(module.register_forward_pre_hook(CopiesInert(self._pre_hook(name)), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(CopiesInert(self._post_hook(module)), always_call=True))
+            self._handles.append(_add_block_hooks(module, _PreHook(self, name, self._installed), _PostHook(self, module)))
 
     def remove(self) -> None:
         """Removes the hooks and closes every open block call (also if closing one raises). A module call that
@@ -109,56 +109,12 @@ class StepHooks:
     def open_block(self, name: str, module: nn.Module) -> None:
         """Opens `module`'s block call now, for a step that starts inside that block's forward pre-hooks
         (sac.attach): torch gathered the call's pre-hooks before install() added this block's."""
-        self._pre_hook(name)(module, (), {})
+        _PreHook(self, name, self._installed)(module, (), {})
 
     def close_open_blocks(self) -> None:
         while self._open:
             self._close_top_block()
         self._session.end_block()
-
-    def _pre_hook(self, name: str) -> Callable[..., None]:
-        session = self._session
-        installed = self._installed
-
-        def pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
-            # kwargs optional: a call whose hooks torch gathered before this step re-installed them runs this
-            # hook as a plain one (sac.attach ending a failed step in the same forward pre-hooks)
-            if _thread_id() != self._thread:  # Note [other threads]
-                return None
-            if installed != self._installed:
-                # A hook of an earlier step that this module call gathered before sac.attach ended that step and
-                # started another in its first pre-hook: the new step opened the call already (open_block). Counted
-                # as a call of the open block made from inside it, it kept the block call open past its forward.
-                return None
-            if self._open and self._open[-1] is module:  # Note [A block that calls itself]
-                self._reentered += 1
-                return None
-            if not _grad_enabled() or session.block_open:
-                return None
-            if _functorch_active() or _foreign_hooks():  # Note [torch.func], Note [Hooks of others]
-                self.aside_calls += 1
-                return None
-            if session.begin_block(name):
-                _push_hooks(self._pack, self._unpack)  # saved_tensors_hooks(pack, unpack).__enter__()
-                self._open.append(module)
-            return None
-
-        return pre_hook
-
-    def _post_hook(self, module: nn.Module) -> Callable[..., None]:
-        def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
-            if _thread_id() != self._thread:  # Note [other threads]
-                return None
-            if self._open and self._open[-1] is module:
-                if self._reentered:  # the end of a call the open block made of itself: its own call goes on
-                    self._reentered -= 1
-                    return None
-                # Called with no output while an exception is in flight: the forward raised (an always-called hook;
-                # Note [A block call whose forward raised], replay/src/block_call.cpp).
-                self._close_top_block(aborted=output is None and _exception_in_flight())
-            return None
-
-        return post_hook
 
     def _close_top_block(self, aborted: bool = False) -> None:
         """Pops the innermost open block's saved-tensor hooks and closes its block call (also if popping raises)."""
@@ -168,6 +124,136 @@ class StepHooks:
             _pop_own(self._pack)
         finally:
             self._session.end_block(aborted)
+
+
+class _PreHook:
+    """A step's forward pre-hook on one block (with kwargs): opens the block call and pushes the saved-tensor hooks.
+    A deep copy or a pickle of it is an Inert (inert.py: a copied model must not act on this TapeSAC). One object
+    per block per step, its code in __call__: the hooks run at every block call (issue 20)."""
+
+    __slots__ = ("hooks", "name", "installed")
+
+    def __init__(self, hooks: StepHooks, name: str, installed: int) -> None:
+        self.hooks = hooks
+        self.name = name
+        self.installed = installed
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (Inert, ())
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        # kwargs optional: a call whose hooks torch gathered before this step re-installed them runs this hook as a
+        # plain one (sac.attach ending a failed step in the same forward pre-hooks)
+        h = self.hooks
+        if _thread_id() != h._thread:  # Note [other threads]
+            return None
+        if self.installed != h._installed:
+            # A hook of an earlier step that this module call gathered before sac.attach ended that step and started
+            # another in its first pre-hook: the new step opened the call already (open_block). Counted as a call of
+            # the open block made from inside it, it kept the block call open past its forward.
+            return None
+        if h._open and h._open[-1] is module:  # Note [A block that calls itself]
+            h._reentered += 1
+            return None
+        session = h._session
+        if not _grad_enabled() or session.block_open:
+            return None
+        if _functorch_active() or _foreign_hooks():  # Note [torch.func], Note [Hooks of others]
+            h.aside_calls += 1
+            return None
+        if session.begin_block(self.name):
+            _push_hooks(h._pack, h._unpack)  # saved_tensors_hooks(pack, unpack).__enter__()
+            h._open.append(module)
+        return None
+
+
+class _PostHook:
+    """A step's forward hook on one block (always called): closes the block call its pre-hook opened. Copies and
+    pickles are Inert, as _PreHook's."""
+
+    __slots__ = ("hooks", "module")
+
+    def __init__(self, hooks: StepHooks, module: nn.Module) -> None:
+        self.hooks = hooks
+        self.module = module
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (Inert, ())
+
+    def __call__(self, mod: nn.Module, args: Any, output: Any) -> None:
+        h = self.hooks
+        if _thread_id() != h._thread:  # Note [other threads]
+            return None
+        if h._open and h._open[-1] is self.module:
+            if h._reentered:  # the end of a call the open block made of itself: its own call goes on
+                h._reentered -= 1
+                return None
+            # Called with no output while an exception is in flight: the forward raised (an always-called hook;
+            # Note [A block call whose forward raised], replay/src/block_call.cpp).
+            h._close_top_block(aborted=output is None and _exception_in_flight())
+        return None
+
+
+# Note [Block hooks without handles]. install() and remove() run at every step for every block: through
+# register_forward_pre_hook / register_forward_hook they cost ~5 us per block (two RemovableHandles, each with weak
+# references to three dicts; 48 blocks: 256 us a step, more than the blocks' tiny forwards in perf/bench_record.py's
+# "blocks" workload). _add_block_hooks writes the entries those calls write -- the hook under a fresh RemovableHandle
+# id in `_forward_pre_hooks` / `_forward_hooks`, the id in `_forward_pre_hooks_with_kwargs` /
+# `_forward_hooks_always_called` -- and _DictHooks.remove() deletes them, as RemovableHandle.remove() does (~0.8 us a
+# block). A module without those dicts (another torch) gets the public calls.
+_DICT_TYPES = frozenset((dict, OrderedDict))
+
+
+class _DictHooks:
+    """The two entries (pre-hook with kwargs, always-called hook) _add_block_hooks wrote; remove() deletes them."""
+
+    __slots__ = ("pre", "pre_kwargs", "post", "post_always", "pre_id", "post_id")
+
+    def __init__(self, dicts: list[dict[Any, Any]], pre_id: int, post_id: int) -> None:
+        self.pre, self.pre_kwargs, self.post, self.post_always = dicts
+        self.pre_id = pre_id
+        self.post_id = post_id
+
+    def remove(self) -> None:
+        self.pre.pop(self.pre_id, None)
+        self.pre_kwargs.pop(self.pre_id, None)
+        self.post.pop(self.post_id, None)
+        self.post_always.pop(self.post_id, None)
+
+
+class _Handles:
+    """The public calls' two handles as one."""
+
+    __slots__ = ("pre", "post")
+
+    def __init__(self, pre: Any, post: Any) -> None:
+        self.pre = pre
+        self.post = post
+
+    def remove(self) -> None:
+        try:
+            self.pre.remove()
+        finally:
+            self.post.remove()
+
+
+def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook) -> Any:
+    """Registers `pre` (a forward pre-hook with kwargs) and `post` (an always-called forward hook) on `module`, last
+    in order; returns what removes them (Note [Block hooks without handles])."""
+    d = module.__dict__
+    dicts = [d.get("_forward_pre_hooks"), d.get("_forward_pre_hooks_with_kwargs"), d.get("_forward_hooks"),
+             d.get("_forward_hooks_always_called")]
+    t = _DICT_TYPES
+    if not (type(dicts[0]) in t and type(dicts[1]) in t and type(dicts[2]) in t and type(dicts[3]) in t):
+        return _Handles(module.register_forward_pre_hook(pre, with_kwargs=True),
+                        module.register_forward_hook(post, always_call=True))
+    pre_id = RemovableHandle.next_id
+    RemovableHandle.next_id = pre_id + 2  # ids torch hands out: unique among every module's hooks
+    dicts[0][pre_id] = pre
+    dicts[1][pre_id] = True
+    dicts[2][pre_id + 1] = post
+    dicts[3][pre_id + 1] = True
+    return _DictHooks(dicts, pre_id, pre_id + 1)
 
 
 def _pop_own(pack: Any) -> None:

@@ -16,7 +16,8 @@ from typing import Any, Callable
 from . import _C
 from .memory import MemoryStats, format_bytes, frozen_from
 
-__all__ = ["BlockStats", "StepStats", "SCHEMA_VERSION", "append_to_history", "block_stats_from", "step_stats_from"]
+__all__ = ["BlockStats", "StepStats", "SCHEMA_VERSION", "append_to_history", "block_stats_from", "blocks_on_demand",
+           "capture_errors", "step_stats_from"]
 
 # Version of the JSON records written from these classes (TapeSAC(log=...), StepReport).
 SCHEMA_VERSION = 2
@@ -154,6 +155,56 @@ def block_stats_from(raw: dict[str, Any] | tuple[Any, ...]) -> Any:
     return frozen_from(BlockStats, values)
 
 
+# Note [Block statistics on demand]. A step's StepStats.blocks holds one BlockStats per block call, ~43k instructions
+# each to build in Python (53 fields) -- 2.1 M a step for 48 blocks, most of what a step of perf/bench_record.py's
+# "blocks" workload costs beyond plain PyTorch, and read by nobody in most steps. So a step keeps the session's rows
+# (one tuple of C++ values per block call, Session.last_stats_rows()) and StepStats.blocks converts them the first
+# time it is read (then holds the tuple): every reader (attribute, ==, repr, dataclasses.asdict, copy, pickle) sees
+# the same tuple of BlockStats as before. What a step needs at once (a block's capture error) is read off the rows.
+class _PendingBlocks:
+    """The rows of a step's block calls, not yet BlockStats (Note [Block statistics on demand])."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[tuple[Any, ...]]) -> None:
+        self.rows = rows
+
+    def convert(self) -> tuple[Any, ...]:
+        return tuple(block_stats_from(r) for r in self.rows)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # a copy or a pickle holds the BlockStats
+        return (tuple, (self.convert(),))
+
+
+def blocks_on_demand(rows: list[tuple[Any, ...]]) -> Any:
+    """What step_stats_from takes as `blocks` for the session's rows: converted when StepStats.blocks is first read."""
+    return _PendingBlocks(rows)
+
+
+_NAME_AT = _BLOCK_NAMES.index("name")
+_ERROR_AT = _BLOCK_NAMES.index("capture_error")
+
+
+def capture_errors(rows: list[tuple[Any, ...]]) -> list[tuple[str, str]]:
+    """(block name, capture error) of the rows' block calls whose capture failed."""
+    return [(r[_NAME_AT], r[_ERROR_AT]) for r in rows if r[_ERROR_AT]]
+
+
+def _get_blocks(self: Any) -> tuple[Any, ...]:
+    d = self.__dict__
+    v = d.get("blocks", ())
+    if type(v) is _PendingBlocks:
+        v = d["blocks"] = v.convert()
+    return v
+
+
+def _set_blocks(self: Any, value: Any) -> None:  # the dataclass __init__'s object.__setattr__ (frozen otherwise)
+    self.__dict__["blocks"] = value
+
+
+StepStats.blocks = property(_get_blocks, _set_blocks, doc="the BlockStats of every block call, in order")
+
+
 def step_stats_from(*, summary: dict[str, Any], blocks: tuple[Any, ...], memory: MemoryStats | None,
                     **extra: Any) -> Any:
     """A StepStats from the session's step summary (C++ totals), the step's BlockStats and the given fields."""
@@ -186,6 +237,6 @@ def append_to_history(history: Any, st: Any, detail_steps: int) -> None:
     writes every step whole."""
     history.append(st)
     n = len(history)
-    if n > detail_steps and history[n - 1 - detail_steps].blocks:
+    if n > detail_steps and history[n - 1 - detail_steps].__dict__.get("blocks"):  # not converted for this
         old = history[n - 1 - detail_steps]
         history[n - 1 - detail_steps] = frozen_from(type(old), {**old.__dict__, "blocks": ()})

@@ -1,0 +1,221 @@
+"""What a step costs around its blocks (issue 20), and that the cheaper forms behave as the ones they replace:
+StepStats.blocks converted on first read (Note [Block statistics on demand], stats.py) and the block hooks written
+into the modules' hook dicts (Note [Block hooks without handles], hooks.py)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import models as M
+
+
+def _stepped(tapesac, n_blocks: int = 3, steps: int = 1, policy: str = "full"):
+    model = M.stack(n_blocks)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy=policy)
+    x = M.x_in()
+    for _ in range(steps):
+        with sac.step():
+            model(x).sum().backward()
+    return model, sac
+
+
+def _eager_blocks(sac):
+    from tapesac.stats import block_stats_from
+
+    return tuple(block_stats_from(r) for r in sac._session.last_stats_rows())
+
+
+def test_blocks_are_converted_on_first_read_and_equal_the_eager_conversion(tapesac) -> None:
+    from tapesac.stats import _PendingBlocks
+
+    model, sac = _stepped(tapesac)
+    try:
+        st = sac.last_step
+        assert type(vars(st)["blocks"]) is _PendingBlocks  # nothing converted by the step itself
+        expected = _eager_blocks(sac)
+        blocks = st.blocks
+        assert type(blocks) is tuple and blocks == expected and len(blocks) == st.block_calls == 3
+        assert vars(st)["blocks"] is blocks and st.blocks is blocks  # converted once, then held
+        assert all(isinstance(b, tapesac.BlockStats) for b in blocks)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            st.blocks = ()
+    finally:
+        sac.close()
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy", "asdict", "eq", "repr", "replace"])
+def test_every_reader_sees_the_converted_blocks(tapesac, how: str) -> None:
+    """Each reader of a StepStats whose blocks were never read sees the same BlockStats as one read first."""
+    model, sac = _stepped(tapesac)
+    try:
+        lazy = sac.last_step
+        assert type(vars(lazy)["blocks"]).__name__ == "_PendingBlocks"
+        expected = _eager_blocks(sac)
+        if how == "pickle":
+            back = pickle.loads(pickle.dumps(lazy))
+            assert type(vars(back)["blocks"]) is tuple and back.blocks == expected and back == lazy
+        elif how == "deepcopy":
+            assert copy.deepcopy(lazy).blocks == expected
+        elif how == "copy":
+            assert copy.copy(lazy).blocks == expected
+        elif how == "asdict":
+            d = dataclasses.asdict(lazy)
+            assert [b["name"] for b in d["blocks"]] == [b.name for b in expected]
+            assert d["blocks"][0] == dataclasses.asdict(expected[0])
+        elif how == "eq":
+            other = dataclasses.replace(lazy, blocks=expected)
+            assert type(vars(other)["blocks"]) is tuple and other == lazy and lazy == other
+            assert dataclasses.replace(lazy, blocks=expected[:1]) != lazy
+        elif how == "repr":
+            assert repr(expected[0]) in repr(lazy)
+        else:
+            assert dataclasses.replace(lazy, step=99).blocks == expected
+    finally:
+        sac.close()
+
+
+def test_history_drops_old_blocks_without_converting_them(tapesac) -> None:
+    from tapesac.core import HISTORY_BLOCK_STEPS
+
+    steps = HISTORY_BLOCK_STEPS + 3
+    model, sac = _stepped(tapesac, n_blocks=2, steps=steps)
+    try:
+        hist = sac.history
+        assert len(hist) == steps
+        old, recent = hist[: steps - HISTORY_BLOCK_STEPS], hist[steps - HISTORY_BLOCK_STEPS:]
+        assert all(vars(s)["blocks"] == () and s.blocks == () and s.block_calls == 2 for s in old)
+        assert all(type(vars(s)["blocks"]).__name__ == "_PendingBlocks" for s in recent)
+        assert all(len(s.blocks) == 2 for s in recent)
+        assert [s.step for s in hist] == list(range(1, steps + 1))
+    finally:
+        sac.close()
+
+
+def test_a_capture_error_is_warned_from_the_rows(tapesac, caplog) -> None:
+    """The warning of a block whose capture failed is read off the rows (StepStats.blocks stays unconverted)."""
+
+    class Replaces(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(M.D, M.D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.lin(x))
+            h.data = torch.zeros_like(h)  # a storage replaced inside the block: its capture fails
+            return torch.tanh(h * x)
+
+    model = nn.Sequential(Replaces(), Replaces())
+    sac = tapesac.TapeSAC(model, blocks="*", policy="full")
+    try:
+        with caplog.at_level(logging.WARNING, logger="tapesac"):
+            with sac.step():
+                model(M.x_in()).sum().backward()
+        warned = [r.getMessage() for r in caplog.records if "storage was replaced" in r.getMessage()]
+        assert len(warned) == 2 and "block 0:" in warned[0] and "block 1:" in warned[1], warned
+        st = sac.last_step
+        assert type(vars(st)["blocks"]).__name__ == "_PendingBlocks"
+        assert all("storage was replaced" in b.capture_error for b in st.blocks)
+    finally:
+        sac.close()
+
+
+def _hook_entries(m: nn.Module) -> tuple[int, ...]:
+    return tuple(len(getattr(m, a)) for a in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                                               "_forward_hooks", "_forward_hooks_always_called",
+                                               "_forward_hooks_with_kwargs"))
+
+
+def test_block_hooks_sit_beside_the_users_in_order_and_leave_only_theirs(tapesac) -> None:
+    """The step's hooks go last among the hooks present when it starts, a user's hook registered inside the step goes
+    after them, removing either removes only itself, and the step's end leaves the user's hooks as they were."""
+    model = M.stack(2)
+    block = model.blocks[0]
+    calls: list[str] = []
+    before = block.register_forward_pre_hook(lambda m, a: calls.append("user-before"))
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        empty = _hook_entries(model.blocks[1])
+        with sac.step():
+            other = model.blocks[1]
+            ours = [k for k, h in other._forward_pre_hooks.items() if type(h).__name__ == "_PreHook"]
+            post = [k for k, h in other._forward_hooks.items() if type(h).__name__ == "_PostHook"]
+            assert len(ours) == len(post) == 1 and ours != post
+            assert list(other._forward_pre_hooks_with_kwargs) == ours and list(other._forward_hooks_always_called) == post
+            assert not other._forward_hooks_with_kwargs and list(other._forward_pre_hooks)[-1] == ours[0]
+            pre = [type(h).__name__ for h in block._forward_pre_hooks.values()]
+            assert pre[-2:] == ["function", "_PreHook"]  # the user's first, then the step's (conflict checks prepend)
+            after = block.register_forward_pre_hook(lambda m, a: calls.append("user-after"))
+            ids = list(block._forward_pre_hooks)
+            assert len(set(ids)) == len(ids) and ids[-1] == after.id  # torch's ids: ours never collide with a user's
+            before.remove()
+            assert [type(h).__name__ for h in block._forward_pre_hooks.values()][-2:] == ["_PreHook", "function"]
+            model(M.x_in()).sum().backward()
+        assert calls == ["user-after"]
+        assert sac.last_step.block_calls == 2 and sac.last_step.dropped_tensors > 0
+        assert list(block._forward_pre_hooks) == [after.id] and not block._forward_hooks
+        assert _hook_entries(model.blocks[1]) == empty == (0, 0, 0, 0, 0)
+        after.remove()
+        assert not block._forward_pre_hooks
+    finally:
+        sac.close()
+
+
+def test_modules_whose_hook_dicts_are_not_dicts_get_the_public_calls(tapesac) -> None:
+    """A module whose hook containers are not plain dicts (another torch, a user's own mapping) is hooked through
+    register_forward_pre_hook / register_forward_hook, exactly as exact, and unhooked after the step."""
+
+    class Recording(OrderedDict):
+        writes = 0
+
+        def __setitem__(self, k, v) -> None:
+            type(self).writes += 1
+            super().__setitem__(k, v)
+
+    model = M.stack(2)
+    ref = copy.deepcopy(model)
+    model.blocks[0]._forward_hooks = Recording()
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    x = M.x_in()
+    try:
+        with sac.step():
+            loss = model(x).sum()
+            loss.backward()
+        assert Recording.writes == 1  # through register_forward_hook
+        assert sac.last_step.block_calls == 2 and sac.last_step.dropped_tensors > 0
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert all(_hook_entries(b) == (0, 0, 0, 0, 0) for b in model.blocks)
+        assert type(model.blocks[0]._forward_hooks) is Recording
+    finally:
+        sac.close()
+
+
+def test_a_model_copied_or_pickled_inside_a_step_holds_inert_hooks(tapesac) -> None:
+    from tapesac.inert import Inert
+
+    model = M.stack(2)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with sac.step():
+            twin = copy.deepcopy(model)
+            pickled = pickle.loads(pickle.dumps(model))
+            model(M.x_in()).sum().backward()
+        for m in (twin, pickled):
+            hooks = [*m.blocks[0]._forward_pre_hooks.values(), *m.blocks[0]._forward_hooks.values()]
+            assert sum(type(h) is Inert for h in hooks) == 2, hooks  # the step's pre-hook and hook
+            assert not any(type(h).__name__ in ("_PreHook", "_PostHook") for h in hooks), hooks
+            m(M.x_in()).sum().backward()  # inert: no block call opened in sac's session, no error
+        assert sac.last_step.block_calls == 2
+    finally:
+        sac.close()

@@ -109,6 +109,24 @@ def _watch(owner: "Conflicts", name: str, block: nn.Module) -> Any:
     return None
 
 
+_ABSENT = object()
+
+
+def _module_attr(module: nn.Module, name: str) -> Any:
+    """getattr(module, name, None) without nn.Module.__getattr__, which raises (and formats) an AttributeError for a
+    name a module does not have: once per block per step in check_modules, 140 us a step on 48 blocks (issue 20)."""
+    d = module.__dict__
+    if name in d:
+        return d[name]
+    v = getattr(type(module), name, _ABSENT)
+    if v is _ABSENT:  # what nn.Module.__getattr__ would find
+        for table in ("_parameters", "_buffers", "_modules"):
+            if name in d.get(table, ()):
+                return d[table][name]
+        return None
+    return getattr(module, name, None) if hasattr(v, "__get__") else v  # a property or descriptor: as getattr
+
+
 class Conflicts:
     """The conflict checks of one TapeSAC (see the module's contract)."""
 
@@ -166,7 +184,7 @@ class Conflicts:
         """HF's checkpointing flag and an in-place compile on the blocks or around them (each warned once)."""
         if not self._once.seen("hf"):
             flagged = [name or type(m).__name__ for name, m in self._around + self._blocks
-                       if getattr(m, "gradient_checkpointing", False) is True]
+                       if _module_attr(m, "gradient_checkpointing") is True]
             if flagged:
                 self._step_warned = True
                 self._once.warning("hf", (

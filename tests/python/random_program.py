@@ -360,6 +360,24 @@ class DataWrite:
 
 
 @dataclass(frozen=True)
+class ModuleHook:
+    """A user's forward hook on block `block` (Program._with_module_hooks): a pre-hook that scales the block's input
+    (`kind` "pre") or a hook that scales its output ("post"), registered with `prepend`, either when the model is
+    built (`inside` False: before tapesac's step hooks, which go last) or right before the block's call inside the step
+    (after them) and removed after it."""
+
+    block: int
+    kind: str
+    prepend: bool
+    inside: bool
+    factor: float
+
+    def __str__(self) -> str:
+        where = "in the step" if self.inside else "at build"
+        return f"{self.kind}-hook on block {self.block} (prepend={self.prepend}, {where}) *= {self.factor:g}"
+
+
+@dataclass(frozen=True)
 class Program:
     seed: int
     shape: tuple[int, int, int]  # B, T, D
@@ -378,6 +396,7 @@ class Program:
     warmup: str = "none"  # WARMUPS: a warm-up step before the compared one (issue 20, Note [Decisions reused])
     hook: str = "dispatch_key"  # HOOKS: how the recorder sees operator calls (Note [Dispatch hook])
     saved_hooks: str = "cpp"  # SAVED_HOOKS: how autograd hands tapesac its saved tensors
+    module_hooks: tuple[ModuleHook, ...] = ()  # Program._with_module_hooks
 
     @staticmethod
     def generate(seed: int, min_ops: int = 4, max_ops: int = 10) -> "Program":
@@ -414,7 +433,8 @@ class Program:
                           tuple_out=rng.random() < 0.15, autocast=rng.random() < 0.1)
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
                 ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
-                ._with_entry_writes()._with_data_replacements()._with_refills()._with_retries()._with_self_calls())
+                ._with_entry_writes()._with_data_replacements()._with_refills()._with_retries()._with_self_calls()
+                ._with_module_hooks())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -578,6 +598,19 @@ class Program:
         blocks[i] = tuple(ops)
         return dataclasses.replace(self, blocks=tuple(blocks))
 
+    def _with_module_hooks(self) -> "Program":
+        """The user's own forward pre-hooks and hooks on blocks (from their own RNG), registered before tapesac's step
+        hooks or after them, prepended or not: a hook ordered before tapesac's pre-hook (or after its post-hook) runs
+        outside the block call, one between them inside it, recorded. tapesac writes its hooks into the modules' hook
+        dicts (Note [Block hooks without handles], python/tapesac/hooks.py): the order must be register_*'s."""
+        rng = random.Random(f"module-hooks-{self.seed}")
+        if rng.random() >= 0.12:
+            return self
+        hooks = tuple(ModuleHook(block=rng.randrange(len(self.blocks)), kind=rng.choice(["pre", "post"]),
+                                 prepend=rng.random() < 0.5, inside=rng.random() < 0.5,
+                                 factor=rng.choice([0.5, 1.5, -1.0])) for _ in range(rng.randint(1, 3)))
+        return dataclasses.replace(self, module_hooks=hooks)
+
     def _with_entry_writes(self) -> "Program":
         """A `.data` write to a block's input at its entry — the previous block's output, which that block may have
         saved and tapesac dropped — with no reference to it kept afterwards (from its own RNG). Autograd's saved
@@ -617,6 +650,7 @@ class Program:
             out.append("block_retry")
         if "self_call" in self.ops():
             out.append("self_call")
+        out += sorted({f"module_hook:{h.kind}:{'inside' if h.inside else 'built'}" for h in self.module_hooks})
         if self.step != "backward":
             out.append(f"step:{self.step}")
         return out or ["plain"]
@@ -634,6 +668,8 @@ class Program:
             lines.append(f"  block {i}: " + " -> ".join(str(op) for op in blk))
         for w in self.data_writes:
             lines.append(f"  write: {w}")
+        for h in self.module_hooks:
+            lines.append(f"  hook: {h}")
         return "\n".join(lines)
 
 
@@ -947,10 +983,17 @@ class ProgramModel(nn.Module):
             # The node that made h may have saved it (tanh saves its result): the block writes a fresh alias-free
             # tensor whose node saves none, as a model that writes its input must give it.
             h = _fresh(h, 1.0)
+        index = next(i for i, b in enumerate(self.blocks) if b is blk)
+        handles = [_register_module_hook(blk, spec) for spec in self.program.module_hooks
+                   if spec.inside and spec.block == index]  # Program._with_module_hooks, inside the step
         try:
-            out = blk(h)
-        except _BlockRetry:  # Program._with_retries: the partial call is dropped, the block runs again
-            out = blk(h)
+            try:
+                out = blk(h)
+            except _BlockRetry:  # Program._with_retries: the partial call is dropped, the block runs again
+                out = blk(h)
+        finally:
+            for handle in handles:
+                handle.remove()
         if isinstance(out, tuple):
             return out[0] + 0.1 * out[1]
         return out
@@ -1019,10 +1062,25 @@ class ProgramModel(nn.Module):
         return h.float()
 
 
+def _register_module_hook(block: nn.Module, spec: ModuleHook) -> Any:
+    """Program._with_module_hooks: registers the user's hook `spec` on `block`; returns its handle."""
+    f = spec.factor
+    if spec.kind == "pre":
+        return block.register_forward_pre_hook(lambda m, args: (args[0] * f, *args[1:]), prepend=spec.prepend)
+
+    def scale_output(m: nn.Module, args: Any, out: Any) -> Any:
+        return (out[0] * f, *out[1:]) if isinstance(out, tuple) else out * f
+
+    return block.register_forward_hook(scale_output, prepend=spec.prepend)
+
+
 def build_model(program: Program) -> ProgramModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(program.seed)
         model = ProgramModel(program)
+    for spec in program.module_hooks:  # Program._with_module_hooks, registered before any step
+        if not spec.inside:
+            _register_module_hook(model.blocks[spec.block], spec)
     model.train()
     return model
 

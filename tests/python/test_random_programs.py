@@ -486,6 +486,16 @@ def test_generator_covers_blocks_writing_their_input() -> None:
     assert fams["input_inplace:repeated"] >= 25, fams
 
 
+def test_generator_covers_the_users_module_hooks() -> None:
+    """Program._with_module_hooks: the user's pre-hooks and hooks, registered before tapesac's step hooks and inside
+    the step after them, each in a few percent of the programs (Note [Block hooks without handles])."""
+    fams = Counter(f for seed in range(max(N_PROGRAMS, 500)) for f in R.Program.generate(seed).families())
+    for fam in ("module_hook:pre:built", "module_hook:pre:inside", "module_hook:post:built", "module_hook:post:inside"):
+        assert fams[fam] >= 10, (fam, fams[fam])
+    hooks = [h for seed in range(max(N_PROGRAMS, 500)) for h in R.Program.generate(seed).module_hooks]
+    assert {h.prepend for h in hooks} == {True, False}
+
+
 def test_generator_covers_backwards_run_under_vmap() -> None:
     """Steps whose backward autograd runs under vmap (is_grads_batched: Program._with_batched_backward), where the
     replays of random ops used to raise PyTorch's untyped vmap error, are frequent enough."""

@@ -219,3 +219,27 @@ def test_a_model_copied_or_pickled_inside_a_step_holds_inert_hooks(tapesac) -> N
         assert sac.last_step.block_calls == 2
     finally:
         sac.close()
+
+
+def test_module_attr_answers_as_getattr_without_raising_inside() -> None:
+    """conflicts._module_attr (HF's gradient_checkpointing flag, read every step on every block) answers what
+    getattr(module, name, None) answers: an instance attribute, a class attribute, a property's value, None."""
+    from tapesac.conflicts import _module_attr
+
+    class WithClassFlag(nn.Module):
+        gradient_checkpointing = False
+
+    class WithProperty(nn.Module):
+        @property
+        def gradient_checkpointing(self) -> bool:
+            return True
+
+    plain, cls_flag, prop = nn.Linear(2, 2), WithClassFlag(), WithProperty()
+    on = WithClassFlag()
+    on.gradient_checkpointing = True
+    sub = nn.Module()
+    sub.gradient_checkpointing = nn.Linear(1, 1)  # a submodule of that name: nn.Module.__getattr__ finds it
+    for m in (plain, cls_flag, prop, on, sub):
+        assert _module_attr(m, "gradient_checkpointing") is getattr(m, "gradient_checkpointing", None), m
+    assert [_module_attr(m, "gradient_checkpointing") is True for m in (plain, cls_flag, prop, on)] == [
+        False, False, True, True]

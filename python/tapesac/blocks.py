@@ -150,6 +150,12 @@ def resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]
             f"blocks={blocks!r} selects {containers[0]!r}, a {type(dict(outer)[containers[0]]).__name__}: a container "
             f"the forward never calls, so nothing would be checkpointed. Select its layers: "
             f"blocks={containers[0] + '.*'!r}")
+    scripted = [n for n, m in outer if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:  # torch refuses forward hooks on them (every step raised its untyped RuntimeError)
+        raise ConfigError(
+            f"blocks={blocks!r} selects {scripted[0]!r}, a TorchScript module (torch.jit.script / trace): torch "
+            f"supports no forward hooks on those, and tapesac opens and closes each block call through them. List the "
+            f"unscripted module as the block (script submodules inside it if you need to), or leave it out of blocks=")
     if not outer:
         classes = sorted({type(m).__name__ for _, m in named})[:12]
         paths = [n for n, _ in named if n][:12]

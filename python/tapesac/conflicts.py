@@ -114,17 +114,28 @@ _ABSENT = object()
 
 def _module_attr(module: nn.Module, name: str) -> Any:
     """getattr(module, name, None) without nn.Module.__getattr__, which raises (and formats) an AttributeError for a
-    name a module does not have: once per block per step in check_modules, 140 us a step on 48 blocks (issue 20)."""
+    name a module does not have: once per block per step in check_modules, 140 us a step on 48 blocks (issue 20). The
+    lookup getattr makes, in its order: a data descriptor of the class (a property), the instance's dict, another
+    class attribute, then what nn.Module.__getattr__ finds (parameters, buffers, submodules). A class with a
+    __getattr__ of its own (torch.compile's OptimizedModule, wrappers that forward to a wrapped module) gets getattr."""
+    cls = type(module)
+    if cls.__getattr__ is not _MODULE_GETATTR:
+        return getattr(module, name, None)
+    v = getattr(cls, name, _ABSENT)
+    if v is not _ABSENT and (hasattr(v, "__set__") or hasattr(v, "__delete__")):
+        return getattr(module, name, None)
     d = module.__dict__
     if name in d:
         return d[name]
-    v = getattr(type(module), name, _ABSENT)
-    if v is _ABSENT:  # what nn.Module.__getattr__ would find
-        for table in ("_parameters", "_buffers", "_modules"):
-            if name in d.get(table, ()):
-                return d[table][name]
-        return None
-    return getattr(module, name, None) if hasattr(v, "__get__") else v  # a property or descriptor: as getattr
+    if v is not _ABSENT:
+        return getattr(module, name, None) if hasattr(v, "__get__") else v
+    for table in ("_parameters", "_buffers", "_modules"):
+        if name in d.get(table, ()):
+            return d[table][name]
+    return None
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
 
 
 class Conflicts:

@@ -216,8 +216,14 @@ class TapeSAC:
             closed = self._closed  # sac.close() inside the step removed its hooks and ended it
             try:
                 if not closed:
-                    self._hooks.remove()
-                    self._session.end_step()
+                    try:
+                        try:
+                            self._hooks.remove()
+                        except BaseException:  # an interrupt landed inside: once more (Note [Hooks removed whatever
+                            self._hooks.remove()  # interrupts], hooks.py), then it propagates
+                            raise
+                    finally:
+                        self._session.end_step()
             finally:
                 self._leave_step(thread)
             if closed:  # nothing of a step close() ended is counted (no `return` here: it would drop an exception)

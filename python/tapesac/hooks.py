@@ -94,17 +94,27 @@ class StepHooks:
         self.aside_calls = 0
         self._installed += 1
         for name, module in self._blocks:
-            self._handles.append(_add_block_hooks(module, _PreHook(self, name, self._installed), _PostHook(self, module)))
+            _add_block_hooks(module, _PreHook(self, name, self._installed), _PostHook(self, module), self._handles)
 
     def remove(self) -> None:
         """Removes the hooks and closes every open block call (also if closing one raises). A module call that
         gathered them before still runs them: with no step thread they pass (sac.close() in a pre-hook that ran before
-        tapesac's opened a block call of the closed session, and its recorder stayed active on the thread)."""
+        tapesac's opened a block call of the closed session, and its recorder stayed active on the thread).
+
+        Note [Hooks removed whatever interrupts]. A KeyboardInterrupt (or a signal handler's exception) lands between
+        any two bytecodes: each handle leaves `_handles` only after it removed its hooks (removing twice is harmless),
+        and the step's saved-tensor hooks are taken off the thread's stack even when no open block records them
+        (an interrupt between a pre-hook's push and its bookkeeping; adversarial tests). Interrupted itself, it can be
+        called again: the step's end does so once (core.py)."""
         self._thread = None
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
-        self.close_open_blocks()
+        handles = self._handles
+        while handles:
+            handles[-1].remove()
+            handles.pop()
+        try:
+            self.close_open_blocks()
+        finally:
+            _pop_all_own(self._pack)
 
     def open_block(self, name: str, module: nn.Module) -> None:
         """Opens `module`'s block call now, for a step that starts inside that block's forward pre-hooks
@@ -117,12 +127,15 @@ class StepHooks:
         self._session.end_block()
 
     def _close_top_block(self, aborted: bool = False) -> None:
-        """Pops the innermost open block's saved-tensor hooks and closes its block call (also if popping raises)."""
-        self._open.pop()
-        self._reentered = 0
+        """Pops the innermost open block's saved-tensor hooks and closes its block call (also if popping raises).
+        The hooks go first: interrupted before `_open` lets go of the block, a later close finds the block still
+        open and pops nothing more (Note [Hooks removed whatever interrupts])."""
         try:
             _pop_own(self._pack)
         finally:
+            self._reentered = 0
+            if self._open:
+                self._open.pop()
             self._session.end_block(aborted)
 
 
@@ -162,8 +175,8 @@ class _PreHook:
             h.aside_calls += 1
             return None
         if session.begin_block(self.name):
+            h._open.append(module)  # before the push: an interrupt between them leaves nothing unrecorded
             _push_hooks(h._pack, h._unpack)  # saved_tensors_hooks(pack, unpack).__enter__()
-            h._open.append(module)
         return None
 
 
@@ -202,58 +215,53 @@ class _PostHook:
 # `_forward_hooks_always_called` -- and _DictHooks.remove() deletes them, as RemovableHandle.remove() does (~0.8 us a
 # block). A module without those dicts (another torch) gets the public calls.
 _DICT_TYPES = frozenset((dict, OrderedDict))
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_always_called")
 
 
 class _DictHooks:
-    """The two entries (pre-hook with kwargs, always-called hook) _add_block_hooks wrote; remove() deletes them."""
+    """The two entries (pre-hook with kwargs, always-called hook) _add_block_hooks writes; remove() deletes them, from
+    the dicts written and from the module's dicts of that name now (a user who replaced one inside the step)."""
 
-    __slots__ = ("pre", "pre_kwargs", "post", "post_always", "pre_id", "post_id")
+    __slots__ = ("module", "dicts", "pre_id", "post_id")
 
-    def __init__(self, dicts: list[dict[Any, Any]], pre_id: int, post_id: int) -> None:
-        self.pre, self.pre_kwargs, self.post, self.post_always = dicts
+    def __init__(self, module: nn.Module, dicts: list[dict[Any, Any]], pre_id: int, post_id: int) -> None:
+        self.module = module
+        self.dicts = dicts
         self.pre_id = pre_id
         self.post_id = post_id
 
-    def remove(self) -> None:
-        self.pre.pop(self.pre_id, None)
-        self.pre_kwargs.pop(self.pre_id, None)
-        self.post.pop(self.post_id, None)
-        self.post_always.pop(self.post_id, None)
-
-
-class _Handles:
-    """The public calls' two handles as one."""
-
-    __slots__ = ("pre", "post")
-
-    def __init__(self, pre: Any, post: Any) -> None:
-        self.pre = pre
-        self.post = post
+    def write(self, pre: _PreHook, post: _PostHook) -> None:
+        pre_hooks, pre_kwargs, post_hooks, post_always = self.dicts
+        pre_hooks[self.pre_id] = pre
+        pre_kwargs[self.pre_id] = True
+        post_hooks[self.post_id] = post
+        post_always[self.post_id] = True
 
     def remove(self) -> None:
-        try:
-            self.pre.remove()
-        finally:
-            self.post.remove()
+        now = self.module.__dict__
+        for name, d, key in zip(_HOOK_DICTS, self.dicts, (self.pre_id, self.pre_id, self.post_id, self.post_id)):
+            d.pop(key, None)
+            current = now.get(name)
+            if current is not d and isinstance(current, dict):
+                current.pop(key, None)
 
 
-def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook) -> Any:
+def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook, handles: list[Any]) -> None:
     """Registers `pre` (a forward pre-hook with kwargs) and `post` (an always-called forward hook) on `module`, last
-    in order; returns what removes them (Note [Block hooks without handles])."""
+    in order, appending what removes them to `handles` before anything is written (Note [Block hooks without
+    handles], Note [Hooks removed whatever interrupts])."""
     d = module.__dict__
-    dicts = [d.get("_forward_pre_hooks"), d.get("_forward_pre_hooks_with_kwargs"), d.get("_forward_hooks"),
-             d.get("_forward_hooks_always_called")]
+    dicts = [d.get(name) for name in _HOOK_DICTS]
     t = _DICT_TYPES
     if not (type(dicts[0]) in t and type(dicts[1]) in t and type(dicts[2]) in t and type(dicts[3]) in t):
-        return _Handles(module.register_forward_pre_hook(pre, with_kwargs=True),
-                        module.register_forward_hook(post, always_call=True))
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, always_call=True))
+        return
     pre_id = RemovableHandle.next_id
     RemovableHandle.next_id = pre_id + 2  # ids torch hands out: unique among every module's hooks
-    dicts[0][pre_id] = pre
-    dicts[1][pre_id] = True
-    dicts[2][pre_id + 1] = post
-    dicts[3][pre_id + 1] = True
-    return _DictHooks(dicts, pre_id, pre_id + 1)
+    entry = _DictHooks(module, dicts, pre_id, pre_id + 1)
+    handles.append(entry)
+    entry.write(pre, post)
 
 
 def _pop_own(pack: Any) -> None:
@@ -273,3 +281,19 @@ def _pop_own(pack: Any) -> None:
     finally:
         for pair in reversed(above):
             _push_hooks(*pair)
+
+
+def _pop_all_own(pack: Any) -> None:
+    """Takes every pair whose pack is `pack` off the thread's saved-tensor hook stack, the others put back in their
+    order (Note [Hooks removed whatever interrupts]); nothing to do, and one call, when the stack is empty."""
+    if _top_hooks(True) is None:
+        return
+    pairs = []
+    try:
+        while (top := _top_hooks(True)) is not None:
+            pairs.append(top)
+            _pop_hooks()
+    finally:
+        for pair in reversed(pairs):
+            if pair[0] is not pack:
+                _push_hooks(*pair)

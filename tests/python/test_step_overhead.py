@@ -243,3 +243,148 @@ def test_module_attr_answers_as_getattr_without_raising_inside() -> None:
         assert _module_attr(m, "gradient_checkpointing") is getattr(m, "gradient_checkpointing", None), m
     assert [_module_attr(m, "gradient_checkpointing") is True for m in (plain, cls_flag, prop, on)] == [
         False, False, True, True]
+
+
+# Note [Hooks removed whatever interrupts] (hooks.py): a KeyboardInterrupt lands between any two bytecodes. The
+# adversarial tests fired real signals every 30 us; here each window is hit deterministically by making the code at
+# its edge raise once.
+_OURS = ("_PreHook", "_PostHook")
+
+
+def _ours_left(model: nn.Module) -> list[str]:
+    return [type(h).__name__ for m in model.modules()
+            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()) if type(h).__name__ in _OURS]
+
+
+def _exact_step_after(tapesac, model: nn.Module, sac) -> None:
+    """The TapeSAC steps again, exact, with nothing of the interrupted step left on the thread."""
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    ref = copy.deepcopy(model)
+    x = M.x_in()
+    with sac.step():
+        loss = model(x).sum()
+        loss.backward()
+    assert sac.last_step.block_calls == len(model.blocks) and sac.last_step.dropped_tensors > 0
+    ref_loss = ref(x.detach().requires_grad_()).sum()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert not _ours_left(model)
+
+
+def _interrupt_once(monkeypatch, owner, name: str, after: bool = False) -> None:
+    """owner.name raises KeyboardInterrupt at its first call (after running, with `after`)."""
+    real = getattr(owner, name)
+    fired = []
+
+    def once(*args, **kwargs):
+        if fired:
+            return real(*args, **kwargs)
+        fired.append(1)
+        if after:
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, once)
+
+
+@pytest.mark.parametrize("where", ["install_write", "install_fallback", "pre_hook_push", "teardown_remove"])
+def test_an_interrupt_leaves_no_hook_and_the_next_step_is_exact(tapesac, monkeypatch, where: str) -> None:
+    from tapesac import hooks
+
+    class InterruptOnce(OrderedDict):
+        fired = False
+
+        def __setitem__(self, k, v) -> None:
+            if not InterruptOnce.fired and type(v).__name__ == "_PostHook":
+                InterruptOnce.fired = True
+                raise KeyboardInterrupt
+            super().__setitem__(k, v)
+
+    model = M.stack(3)
+    for m in model.modules():
+        m.zero_grad(set_to_none=True)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with monkeypatch.context() as mp:
+            if where == "install_write":  # the second block's entries written, its handle already kept
+                calls = []
+                real = hooks._DictHooks.write
+
+                def write(self, pre, post):
+                    real(self, pre, post)
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise KeyboardInterrupt
+
+                mp.setattr(hooks._DictHooks, "write", write)
+            elif where == "install_fallback":  # the public calls: the post-hook's registration interrupted
+                model.blocks[1]._forward_hooks = InterruptOnce()
+            elif where == "pre_hook_push":  # the saved-tensor hooks pushed, then the interrupt
+                _interrupt_once(mp, hooks, "_push_hooks", after=True)
+            else:  # the step's end: the first handle's removal interrupted
+                _interrupt_once(mp, hooks._DictHooks, "remove")
+            with pytest.raises(KeyboardInterrupt):
+                with sac.step():
+                    model(M.x_in()).sum().backward()
+        assert not _ours_left(model)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+        model.zero_grad(set_to_none=True)
+        _exact_step_after(tapesac, model, sac)
+    finally:
+        sac.close()
+    assert not _ours_left(model)
+
+
+def test_hooks_go_from_a_hook_dict_the_user_replaced_inside_the_step(tapesac) -> None:
+    model = M.stack(2)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+    try:
+        with sac.step():
+            b = model.blocks[0]
+            b._forward_pre_hooks = OrderedDict(b._forward_pre_hooks)
+            b._forward_hooks = OrderedDict(b._forward_hooks)
+            b._forward_hooks_always_called = OrderedDict(b._forward_hooks_always_called)
+            model(M.x_in()).sum().backward()
+        assert sac.last_step.block_calls == 2
+        assert not _ours_left(model)
+        assert not b._forward_hooks_always_called and not b._forward_pre_hooks_with_kwargs
+    finally:
+        sac.close()
+
+
+def test_a_torchscript_block_is_refused_with_a_typed_error(tapesac) -> None:
+    """torch supports no forward hooks on TorchScript modules (every step raised torch's untyped RuntimeError)."""
+    model = M.stack(2)
+    model.blocks[0] = torch.jit.script(model.blocks[0])
+    with pytest.raises(tapesac.ConfigError, match="TorchScript module"):
+        tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
+
+
+def test_module_attr_follows_getattr_for_wrappers_and_descriptors() -> None:
+    from tapesac.conflicts import _module_attr
+
+    inner = nn.Linear(2, 2)
+    inner.gradient_checkpointing = True
+
+    class Forwards(nn.Module):  # a wrapper forwarding unknown names, as peft's and torch.compile's do
+        def __init__(self, wrapped: nn.Module) -> None:
+            super().__init__()
+            self.wrapped = wrapped
+
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.wrapped, name)
+
+    class Prop(nn.Module):
+        @property
+        def gradient_checkpointing(self) -> bool:
+            return False
+
+    shadowed = Prop()
+    shadowed.__dict__["gradient_checkpointing"] = True  # the property wins for getattr
+    for m in (Forwards(inner), torch.compile(inner), shadowed):
+        assert _module_attr(m, "gradient_checkpointing") is getattr(m, "gradient_checkpointing", None), m

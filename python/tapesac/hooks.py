@@ -230,20 +230,20 @@ class _DictHooks:
         self.pre_id = pre_id
         self.post_id = post_id
 
-    def write(self, pre: _PreHook, post: _PostHook) -> None:
-        pre_hooks, pre_kwargs, post_hooks, post_always = self.dicts
-        pre_hooks[self.pre_id] = pre
-        pre_kwargs[self.pre_id] = True
-        post_hooks[self.post_id] = post
-        post_always[self.post_id] = True
-
     def remove(self) -> None:
+        pre_hooks, pre_kwargs, post_hooks, post_always = self.dicts
+        pre_hooks.pop(self.pre_id, None)
+        pre_kwargs.pop(self.pre_id, None)
+        post_hooks.pop(self.post_id, None)
+        post_always.pop(self.post_id, None)
         now = self.module.__dict__
-        for name, d, key in zip(_HOOK_DICTS, self.dicts, (self.pre_id, self.pre_id, self.post_id, self.post_id)):
-            d.pop(key, None)
-            current = now.get(name)
-            if current is not d and isinstance(current, dict):
-                current.pop(key, None)
+        if (now.get("_forward_pre_hooks") is not pre_hooks or now.get("_forward_hooks") is not post_hooks
+                or now.get("_forward_pre_hooks_with_kwargs") is not pre_kwargs
+                or now.get("_forward_hooks_always_called") is not post_always):
+            for name, key in zip(_HOOK_DICTS, (self.pre_id, self.pre_id, self.post_id, self.post_id)):
+                current = now.get(name)
+                if isinstance(current, dict):
+                    current.pop(key, None)
 
 
 def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook, handles: list[Any]) -> None:
@@ -259,9 +259,11 @@ def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook, handles:
         return
     pre_id = RemovableHandle.next_id
     RemovableHandle.next_id = pre_id + 2  # ids torch hands out: unique among every module's hooks
-    entry = _DictHooks(module, dicts, pre_id, pre_id + 1)
-    handles.append(entry)
-    entry.write(pre, post)
+    handles.append(_DictHooks(module, dicts, pre_id, pre_id + 1))
+    dicts[0][pre_id] = pre
+    dicts[1][pre_id] = True
+    dicts[2][pre_id + 1] = post
+    dicts[3][pre_id + 1] = True
 
 
 def _pop_own(pack: Any) -> None:

@@ -308,17 +308,30 @@ def test_an_interrupt_leaves_no_hook_and_the_next_step_is_exact(tapesac, monkeyp
     sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="full")
     try:
         with monkeypatch.context() as mp:
-            if where == "install_write":  # the second block's entries written, its handle already kept
+            if where == "install_write":  # the second block's handle kept, its entries being written
                 calls = []
-                real = hooks._DictHooks.write
+                real = hooks._DictHooks.__init__
 
-                def write(self, pre, post):
-                    real(self, pre, post)
+                class Interrupting(OrderedDict):
+                    armed = False
+
+                    def __setitem__(self, k, v) -> None:
+                        super().__setitem__(k, v)
+                        if self.armed:
+                            raise KeyboardInterrupt
+
+                def init(self, module, dicts, pre_id, post_id):
+                    real(self, module, dicts, pre_id, post_id)
                     calls.append(1)
-                    if len(calls) == 2:
-                        raise KeyboardInterrupt
+                    if len(calls) == 2:  # its pre-hook entry is the next write: it lands, then the interrupt
+                        interrupting = Interrupting(dicts[0])
+                        interrupting.armed = True
+                        module.__dict__["_forward_pre_hooks"] = dicts[0] = interrupting
+                        written.append(interrupting)
 
-                mp.setattr(hooks._DictHooks, "write", write)
+                written: list = []
+
+                mp.setattr(hooks._DictHooks, "__init__", init)
             elif where == "install_fallback":  # the public calls: the post-hook's registration interrupted
                 model.blocks[1]._forward_hooks = InterruptOnce()
             elif where == "pre_hook_push":  # the saved-tensor hooks pushed, then the interrupt
@@ -328,6 +341,9 @@ def test_an_interrupt_leaves_no_hook_and_the_next_step_is_exact(tapesac, monkeyp
             with pytest.raises(KeyboardInterrupt):
                 with sac.step():
                     model(M.x_in()).sum().backward()
+        if where == "install_write":
+            assert written and not any(type(h).__name__ == "_PreHook" for h in written[0].values())
+            written[0].armed = False  # the user's dict stays; the next step writes into it
         assert not _ours_left(model)
         assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
         model.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -102,7 +103,7 @@ class Attachment:
             self._step = step
             # The block's own hooks were installed by the step just now, after this call's hooks were gathered:
             # open its block call here so that this forward is recorded too.
-            self._sac._hooks.open_block(name, module)
+            self._sac._hooks.open_block(name, module, sys._getframe(2))  # torch's frame: it called CopiesInert(start)
             return None
 
         return start

@@ -81,7 +81,9 @@ class StepHooks:
         self._session = session
         self._blocks = list(blocks)
         self._handles: list[Any] = []
-        self._open: list[nn.Module] = []  # the blocks whose call is open, innermost last
+        # The blocks whose call is open, innermost last, each with the frame that called its pre-hook (torch's module
+        # call: Note [A block call a BaseException left open]).
+        self._open: list[tuple[nn.Module, Any]] = []
         self._reentered = 0  # calls of the open block made from inside it (Note [A block that calls itself])
         self._installed = 0  # install() count: hooks of an earlier install that a module call still runs are stale
         self._thread: int | None = None
@@ -116,10 +118,12 @@ class StepHooks:
         finally:
             _pop_all_own(self._pack)
 
-    def open_block(self, name: str, module: nn.Module) -> None:
+    def open_block(self, name: str, module: nn.Module, caller: Any) -> None:
         """Opens `module`'s block call now, for a step that starts inside that block's forward pre-hooks
-        (sac.attach): torch gathered the call's pre-hooks before install() added this block's."""
-        _PreHook(self, name, self._installed)(module, (), {})
+        (sac.attach): torch gathered the call's pre-hooks before install() added this block's. `caller`: the frame that
+        called the pre-hook that starts the step (torch's module call; Note [A block call a BaseException left
+        open])."""
+        _PreHook(self, name, self._installed).open_call(module, caller)
 
     def close_open_blocks(self) -> None:
         while self._open:
@@ -137,6 +141,22 @@ class StepHooks:
             if self._open:
                 self._open.pop()
             self._session.end_block(aborted)
+
+
+    def _close_unwound(self) -> None:
+        """Note [A block call a BaseException left open]. torch runs always-called forward hooks for an Exception
+        only: a KeyboardInterrupt (or SystemExit, a signal handler's exception) raised in a block's forward leaves its
+        block call open and its saved-tensor hooks pushed. Caught by the loop inside the step (sac.attach: the step
+        lasts to optimizer.step()), the next forward's block calls then ran as calls of that stale one — recorded into
+        it or skipped, the iteration kept everything (an adversarial test). A block call whose module call is no
+        longer on this thread's stack is closed here, as a forward that raised, before the next one opens."""
+        live = set()
+        f = sys._getframe(1)
+        while f is not None:
+            live.add(id(f))
+            f = f.f_back
+        while self._open and id(self._open[-1][1]) not in live:
+            self._close_top_block(aborted=True)
 
 
 class _PreHook:
@@ -157,6 +177,10 @@ class _PreHook:
     def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         # kwargs optional: a call whose hooks torch gathered before this step re-installed them runs this hook as a
         # plain one (sac.attach ending a failed step in the same forward pre-hooks)
+        return self.open_call(module, sys._getframe(1))
+
+    def open_call(self, module: nn.Module, caller: Any) -> None:
+        """The pre-hook's work; `caller` is the frame that called the hook (torch's module call)."""
         h = self.hooks
         if _thread_id() != h._thread:  # Note [other threads]
             return None
@@ -165,7 +189,9 @@ class _PreHook:
             # another in its first pre-hook: the new step opened the call already (open_block). Counted as a call of
             # the open block made from inside it, it kept the block call open past its forward.
             return None
-        if h._open and h._open[-1] is module:  # Note [A block that calls itself]
+        if h._open:
+            h._close_unwound()  # Note [A block call a BaseException left open]
+        if h._open and h._open[-1][0] is module:  # Note [A block that calls itself]
             h._reentered += 1
             return None
         session = h._session
@@ -175,7 +201,7 @@ class _PreHook:
             h.aside_calls += 1
             return None
         if session.begin_block(self.name):
-            h._open.append(module)  # before the push: an interrupt between them leaves nothing unrecorded
+            h._open.append((module, caller))  # before the push: an interrupt between them leaves nothing unrecorded
             _push_hooks(h._pack, h._unpack)  # saved_tensors_hooks(pack, unpack).__enter__()
         return None
 
@@ -197,7 +223,7 @@ class _PostHook:
         h = self.hooks
         if _thread_id() != h._thread:  # Note [other threads]
             return None
-        if h._open and h._open[-1] is self.module:
+        if h._open and h._open[-1][0] is self.module:
             if h._reentered:  # the end of a call the open block made of itself: its own call goes on
                 h._reentered -= 1
                 return None

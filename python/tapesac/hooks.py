@@ -142,7 +142,6 @@ class StepHooks:
                 self._open.pop()
             self._session.end_block(aborted)
 
-
     def _close_unwound(self) -> None:
         """Note [A block call a BaseException left open]. torch runs always-called forward hooks for an Exception
         only: a KeyboardInterrupt (or SystemExit, a signal handler's exception) raised in a block's forward leaves its
@@ -162,7 +161,7 @@ class StepHooks:
 class _PreHook:
     """A step's forward pre-hook on one block (with kwargs): opens the block call and pushes the saved-tensor hooks.
     A deep copy or a pickle of it is an Inert (inert.py: a copied model must not act on this TapeSAC). One object
-    per block per step, its code in __call__: the hooks run at every block call (issue 20)."""
+    per block per step, called directly by torch (no wrapper): the hooks run at every block call (issue 20)."""
 
     __slots__ = ("hooks", "name", "installed")
 

@@ -53,6 +53,25 @@ def remove_handles(*handle_lists: list[Any]) -> None:
         handles.clear()
 
 
+class _PreHookHandle:
+    """A forward pre-hook's handle that also finds the hook in the module's dict of now: a dict the user replaced
+    inside the step (`m._forward_pre_hooks = OrderedDict(...)`) kept it with torch's handle alone, which holds the old
+    dict. The module is held weakly (Note [A finalizer that holds no model])."""
+
+    __slots__ = ("handle", "module")
+
+    def __init__(self, module: nn.Module, handle: Any) -> None:
+        self.handle = handle
+        self.module = weakref.ref(module)
+
+    def remove(self) -> None:
+        self.handle.remove()
+        m = self.module()
+        current = m.__dict__.get("_forward_pre_hooks") if m is not None else None
+        if isinstance(current, dict):
+            current.pop(self.handle.id, None)
+
+
 def _names(names: Sequence[str]) -> str:
     return f"{list(names[:4])}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
 
@@ -223,8 +242,9 @@ class Conflicts:
         self.check_modules()
         self.in_step = True
         if self._steps < CHECKED_STEPS:
-            self._step_handles.extend(m.register_forward_pre_hook(_Hook(self, "_block_starts", name), prepend=True)
-                                      for name, m in self._blocks)
+            for name, m in self._blocks:
+                self._step_handles.append(_PreHookHandle(
+                    m, m.register_forward_pre_hook(_Hook(self, "_block_starts", name), prepend=True)))
 
     # -- during a step --------------------------------------------------------------------------------------------
     def _block_starts(self, name: str, module: nn.Module, args: Any) -> None:

@@ -366,6 +366,7 @@ def test_hooks_go_from_a_hook_dict_the_user_replaced_inside_the_step(tapesac) ->
         assert sac.last_step.block_calls == 2
         assert not _ours_left(model)
         assert not b._forward_hooks_always_called and not b._forward_pre_hooks_with_kwargs
+        assert not b._forward_pre_hooks and not b._forward_hooks  # the conflict checks' step hook went too
     finally:
         sac.close()
 

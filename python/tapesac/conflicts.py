@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .blocks import is_compiled
+from .hooks import drop_hook_entry
 from .log import Once
 
 __all__ = ["Conflicts", "CHECKED_STEPS"]
@@ -67,9 +68,8 @@ class _PreHookHandle:
     def remove(self) -> None:
         self.handle.remove()
         m = self.module()
-        current = m.__dict__.get("_forward_pre_hooks") if m is not None else None
-        if isinstance(current, dict):
-            current.pop(self.handle.id, None)
+        if m is not None:
+            drop_hook_entry(m, "_forward_pre_hooks", self.handle.id)
 
 
 def _names(names: Sequence[str]) -> str:

@@ -213,38 +213,7 @@ class TapeSAC:
                     "block out of `blocks=`.") from e
             raise
         finally:
-            closed = self._closed  # sac.close() inside the step removed its hooks and ended it
-            try:
-                if not closed:
-                    try:
-                        try:
-                            self._hooks.remove()
-                        except BaseException:  # an interrupt landed inside: once more (Note [Hooks removed whatever
-                            self._hooks.remove()  # interrupts], hooks.py), then it propagates
-                            raise
-                    finally:
-                        self._session.end_step()
-            finally:
-                self._leave_step(thread)
-            if closed:  # nothing of a step close() ended is counted (no `return` here: it would drop an exception)
-                pass
-            elif not began:  # begin_step raised, or an interrupt came before it returned
-                self._conflicts.after_step(None)
-            else:
-                self._steps += 1
-                self._last = self._collect(time.perf_counter() - start)
-                append_to_history(self._history, self._last, HISTORY_BLOCK_STEPS)
-                self._conflicts.after_step(self._last)
-                self._warn_unmatched()
-                self._log.write_step(self._last, self._get_timeline)
-                self._log.write_records(self._steps, self._session)
-                if abandoned:
-                    logger.warning(
-                        f"tapesac: the context of step {self._steps} was abandoned: sac.step() was entered and "
-                        f"never exited, and the step ended only when Python collected the context (a later step, the "
-                        f"plan and the statistics may have been wrong meanwhile). Exit every step you enter: `with "
-                        f"sac.step():` around forward and backward, or __exit__ after the backward in a callback; or "
-                        f"let tapesac delimit the steps (sac.attach(optimizer), tapesac.integrations).")
+            self._end_step(thread, began, abandoned, start)
         if self._closed:  # closed inside the step: nothing of it is measured or planned
             return
         self._raise_policy_error()
@@ -252,6 +221,42 @@ class TapeSAC:
         self._runtime.after_step(self._last.memory.peak_bytes if self._last.memory else 0, self._last.step)
         # After planning: a limit the planner finds infeasible raises MemoryLimitError instead (one message, not two).
         self._warn_over_limit()
+
+    def _end_step(self, thread: int, began: bool, abandoned: bool, start: float) -> None:
+        """The step's `finally`: its hooks removed and the session's step ended (unless close() inside it did), then
+        the step counted and reported when it began."""
+        closed = self._closed  # sac.close() inside the step removed its hooks and ended it
+        try:
+            if not closed:
+                try:
+                    try:
+                        self._hooks.remove()
+                    except BaseException:  # an interrupt landed inside: once more (Note [Hooks removed whatever
+                        self._hooks.remove()  # interrupts], hooks.py), then it propagates
+                        raise
+                finally:
+                    self._session.end_step()
+        finally:
+            self._leave_step(thread)
+        if closed:  # nothing of a step close() ended is counted
+            return
+        if not began:  # begin_step raised, or an interrupt came before it returned
+            self._conflicts.after_step(None)
+            return
+        self._steps += 1
+        self._last = self._collect(time.perf_counter() - start)
+        append_to_history(self._history, self._last, HISTORY_BLOCK_STEPS)
+        self._conflicts.after_step(self._last)
+        self._warn_unmatched()
+        self._log.write_step(self._last, self._get_timeline)
+        self._log.write_records(self._steps, self._session)
+        if abandoned:
+            logger.warning(
+                f"tapesac: the context of step {self._steps} was abandoned: sac.step() was entered and never exited, "
+                f"and the step ended only when Python collected the context (a later step, the plan and the "
+                f"statistics may have been wrong meanwhile). Exit every step you enter: `with sac.step():` around "
+                f"forward and backward, or __exit__ after the backward in a callback; or let tapesac delimit the "
+                f"steps (sac.attach(optimizer), tapesac.integrations).")
 
     @property
     def preservation_trials(self) -> list[Trial]:

@@ -116,7 +116,7 @@ class StepHooks:
         try:
             self.close_open_blocks()
         finally:
-            _pop_all_own(self._pack)
+            _pop_own(self._pack, every=True)
 
     def open_block(self, name: str, module: nn.Module, caller: Any) -> None:
         """Opens `module`'s block call now, for a step that starts inside that block's forward pre-hooks
@@ -266,9 +266,7 @@ class _DictHooks:
                 or now.get("_forward_pre_hooks_with_kwargs") is not pre_kwargs
                 or now.get("_forward_hooks_always_called") is not post_always):
             for name, key in zip(_HOOK_DICTS, (self.pre_id, self.pre_id, self.post_id, self.post_id)):
-                current = now.get(name)
-                if isinstance(current, dict):
-                    current.pop(key, None)
+                drop_hook_entry(self.module, name, key)
 
 
 def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook, handles: list[Any]) -> None:
@@ -291,36 +289,30 @@ def _add_block_hooks(module: nn.Module, pre: _PreHook, post: _PostHook, handles:
     dicts[3][pre_id + 1] = True
 
 
-def _pop_own(pack: Any) -> None:
-    """Pops the saved-tensor hooks whose pack is `pack` (the step's) off the stack. A block whose forward entered
-    saved_tensors_hooks of its own and never exited them left them on top: they are lifted off and put back, so that
-    they stay as its code left them (as they would without tapesac) and tapesac's pair goes — popping the top took
-    the user's pair and left tapesac's on the stack after the step."""
-    above = []
-    top = _top_hooks(True)
-    while top is not None and top[0] is not pack:
-        above.append(top)
-        _pop_hooks()
-        top = _top_hooks(True)
+def _pop_own(pack: Any, every: bool = False) -> None:
+    """Pops the saved-tensor hooks whose pack is `pack` (the step's) off the stack: the innermost such pair, or with
+    `every` all of them (Note [Hooks removed whatever interrupts]). The pairs above it are lifted off and put back in
+    their order: a block whose forward entered saved_tensors_hooks of its own and never exited them left them on top,
+    and they stay as its code left them (as they would without tapesac) — popping the top took the user's pair and
+    left tapesac's on the stack after the step. One call when the stack is empty."""
+    lifted = []
     try:
-        if top is not None:
+        while (top := _top_hooks(True)) is not None:
+            if top[0] is not pack:
+                lifted.append(top)  # before the pop: an interrupt between them leaves no pair lost
+                _pop_hooks()
+                continue
             _pop_hooks()
+            if not every:
+                break
     finally:
-        for pair in reversed(above):
+        for pair in reversed(lifted):
             _push_hooks(*pair)
 
 
-def _pop_all_own(pack: Any) -> None:
-    """Takes every pair whose pack is `pack` off the thread's saved-tensor hook stack, the others put back in their
-    order (Note [Hooks removed whatever interrupts]); nothing to do, and one call, when the stack is empty."""
-    if _top_hooks(True) is None:
-        return
-    pairs = []
-    try:
-        while (top := _top_hooks(True)) is not None:
-            pairs.append(top)
-            _pop_hooks()
-    finally:
-        for pair in reversed(pairs):
-            if pair[0] is not pack:
-                _push_hooks(*pair)
+def drop_hook_entry(module: nn.Module, dict_name: str, key: Any) -> None:
+    """Deletes `key` from the module's hook dict `dict_name` as it is now (a dict the user replaced inside the step
+    holds the entry too: a handle holds the dict of registration). No-op when absent."""
+    current = module.__dict__.get(dict_name)
+    if isinstance(current, dict):
+        current.pop(key, None)

@@ -223,8 +223,7 @@ class TapeSAC:
         self._warn_over_limit()
 
     def _end_step(self, thread: int, began: bool, abandoned: bool, start: float) -> None:
-        """The step's `finally`: its hooks removed and the session's step ended (unless close() inside it did), then
-        the step counted and reported when it began."""
+        """The step's `finally`: hooks removed, session step ended (unless close() did), the step counted if it began."""
         closed = self._closed  # sac.close() inside the step removed its hooks and ended it
         try:
             if not closed:
@@ -241,8 +240,7 @@ class TapeSAC:
         if closed:  # nothing of a step close() ended is counted
             return
         if not began:  # begin_step raised, or an interrupt came before it returned
-            self._conflicts.after_step(None)
-            return
+            return self._conflicts.after_step(None)
         self._steps += 1
         self._last = self._collect(time.perf_counter() - start)
         append_to_history(self._history, self._last, HISTORY_BLOCK_STEPS)

@@ -114,6 +114,18 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
     if (n == "train") info->train_arg = static_cast<int>(i);
     if (n == "generator") info->generator_arg = static_cast<int>(i);
   }
+  // A Generator in the schema (a custom op's `Generator? generator`) draws from it whatever its tags say.
+  if (info->generator_arg >= 0 &&
+      args[static_cast<size_t>(info->generator_arg)].type()->kind() != c10::TypeKind::GeneratorType) {
+    const c10::TypePtr& t = args[static_cast<size_t>(info->generator_arg)].type();
+    const bool optional_generator = t->kind() == c10::TypeKind::OptionalType &&
+                                    t->containedTypes().size() == 1 &&
+                                    t->containedTypes()[0]->kind() == c10::TypeKind::GeneratorType;
+    if (!optional_generator) info->generator_arg = -1;  // an argument named "generator" that is none
+  }
+  if (info->generator_arg >= 0) info->random = true;
+  const bool core_namespace = ns_name.rfind("aten::", 0) == 0 || ns_name.rfind("prims::", 0) == 0;
+  info->probe_rng = !info->random && !core_namespace && !info->effectful;
   info->uninitialized = leaves_bytes_unset(ns_name);
   info->grad_mode_kernel = kernel_reads_grad_mode(ns_name);
   info->forward_ad = ns_name == "aten::_fw_primal" || ns_name == "aten::_make_dual" ||

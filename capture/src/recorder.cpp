@@ -2,6 +2,7 @@
 // nested ones included, so the skip decision comes first and costs a TLS read and a pointer-keyed lookup.
 #include "tapesac/capture/recorder.h"
 
+#include <cstring>
 #include <algorithm>
 #include <atomic>
 #include <stdexcept>
@@ -561,6 +562,39 @@ void Recorder::note_writes(const OpRecord& rec) {
   }
 }
 
+namespace {
+
+// The default generator an op without a Generator argument draws from: its first tensor's device's, else its
+// Device argument's, else the CPU's. nullopt for other devices.
+std::optional<at::Generator> default_generator_for(c10::ArrayRef<c10::IValue> inputs) {
+  c10::Device device(c10::kCPU);
+  bool found = false;
+  for (const c10::IValue& v : inputs) {
+    if (v.isTensor() && v.toTensor().defined()) {
+      device = v.toTensor().device();
+      found = true;
+      break;
+    }
+  }
+  if (!found) {
+    for (const c10::IValue& v : inputs) {
+      if (v.isDevice()) {
+        device = v.toDevice();
+        break;
+      }
+    }
+  }
+  if (!device.is_cpu() && !device.is_cuda()) return std::nullopt;
+  return at::globalContext().defaultGenerator(device);
+}
+
+bool same_state(const c10::TensorImpl& a, const c10::TensorImpl& b) {
+  const size_t n = a.numel() * a.itemsize();
+  return b.numel() * b.itemsize() == n && std::memcmp(a.data(), b.data(), n) == 0;
+}
+
+}  // namespace
+
 void Recorder::capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
   const OpInfo& info = *f.info;
   auto arg = [&](int i) -> const c10::IValue* {
@@ -570,28 +604,7 @@ void Recorder::capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
   if (const c10::IValue* tr = arg(info.train_arg); tr != nullptr && tr->isBool() && !tr->toBool()) return;
   std::optional<at::Generator> gen;
   if (const c10::IValue* g = arg(info.generator_arg); g != nullptr && g->isGenerator()) gen = g->toGenerator();
-  if (!gen.has_value()) {
-    c10::Device device(c10::kCPU);
-    bool found = false;
-    for (const c10::IValue& v : inputs) {
-      if (v.isTensor() && v.toTensor().defined()) {
-        device = v.toTensor().device();
-        found = true;
-        break;
-      }
-    }
-    if (!found) {
-      for (const c10::IValue& v : inputs) {
-        if (v.isDevice()) {
-          device = v.toDevice();
-          break;
-        }
-      }
-    }
-    if (device.is_cpu() || device.is_cuda()) {
-      gen = at::globalContext().defaultGenerator(device);
-    }
-  }
+  if (!gen.has_value()) gen = default_generator_for(inputs);
   if (!gen.has_value() || !gen->defined()) {
     f.non_replayable = true;  // a random op whose generator we cannot restore must not be replayed
     return;
@@ -599,6 +612,40 @@ void Recorder::capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
   std::lock_guard<std::mutex> lock(gen->mutex());
   f.generator_state = gen->unsafeGetGeneratorImpl()->get_state();
   f.generator = std::move(gen);
+}
+
+// Note [Random numbers drawn below a custom op]
+// An op registered outside aten (torch.library.custom_op, a C++ extension: a fused dropout, noise, stochastic
+// rounding) is recorded as one op, and what its kernel calls runs below autograd, unseen. Its schema carries no
+// nondeterministic_seeded tag, so it looked deterministic: a replay drew again from the generator's state of the
+// moment — other numbers than the forward's (gradients off by 0.14 under "full": an adversarial test) — and advanced
+// the run's random stream inside the backward. Such an op's entry snapshots its device's default generator (as a
+// random op's does) and its exit compares: a call that moved the generator keeps the snapshot and is replayed as a
+// random op (from the state it started from, the generator put back afterwards: use_recorded_rng); a call that did
+// not drops it. The probe costs a state copy per call of such an op (5 KiB on CPU, 16 bytes on CUDA); aten ops are
+// never probed. Unseen still: a kernel drawing from a generator that is neither its device's default one nor in its
+// schema (contract="strict" compares the rebuilt bytes).
+void Recorder::probe_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
+  std::optional<at::Generator> gen = default_generator_for(inputs);
+  if (!gen.has_value() || !gen->defined()) return;
+  std::lock_guard<std::mutex> lock(gen->mutex());
+  f.generator_state = gen->unsafeGetGeneratorImpl()->get_state();
+  f.generator = std::move(gen);
+  f.rng_probe = true;
+}
+
+void Recorder::settle_rng_probe(Frame& f) {
+  if (!f.rng_probe || !f.generator.has_value()) return;
+  f.rng_probe = false;
+  c10::intrusive_ptr<c10::TensorImpl> now;
+  {
+    std::lock_guard<std::mutex> lock(f.generator->mutex());
+    now = f.generator->unsafeGetGeneratorImpl()->get_state();
+  }
+  if (same_state(*now, *f.generator_state)) {  // drew nothing: an ordinary op
+    f.generator.reset();
+    f.generator_state.reset();
+  }
 }
 
 void Recorder::enter(const CallView& call) noexcept {
@@ -652,6 +699,8 @@ void Recorder::enter(const CallView& call) noexcept {
       } else {
         capture_rng(f, inputs);
       }
+    } else if (f.info->probe_rng && options_.record_rng && !f.composite) {
+      probe_rng(f, inputs);
     }
     busy_ = false;
     if (options_.time_ops) f.start_ns = common::now_ns();
@@ -815,6 +864,7 @@ OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IVal
     }
     if (writes_external) rec.flags |= kWritesExternal;
     if (f.non_replayable || info.effectful) rec.flags |= kNonReplayable;
+    settle_rng_probe(f);
     if (f.generator.has_value()) rec.flags |= kRandom;
     if (info.nondeterministic_bitwise && scan.cuda) rec.flags |= kNondeterministic | kNonReplayable;
     if (info.uninitialized || deterministic_fill(info, rec)) rec.flags |= kUninitialized;

@@ -281,8 +281,13 @@ std::vector<ScheduleChoice> schedule_choices(const BlockProblem& problem, const 
   std::vector<ScheduleChoice> found;
   found.push_back(run(m, order, {}, {}));  // one segment
   if (order.size() > 1) {
-    std::vector<int32_t> fine(order.size());
-    for (size_t i = 0; i < fine.size(); ++i) fine[i] = static_cast<int32_t>(i);
+    // The finest segments and the evaluations they allow (Note [Bounded schedule search], schedule.h).
+    const size_t n_fine = std::min(order.size(), static_cast<size_t>(std::max<int32_t>(2, options.max_segments)));
+    std::vector<int32_t> fine(n_fine);
+    for (size_t i = 0; i < n_fine; ++i) fine[i] = static_cast<int32_t>(i * order.size() / n_fine);
+    const int64_t cells = static_cast<int64_t>(n_fine * (problem.values.size() + problem.ops.size()));
+    const int64_t affordable = std::max<int64_t>(4, options.max_cells / std::max<int64_t>(1, cells));
+    const int32_t max_evaluations = static_cast<int32_t>(std::min<int64_t>(options.max_evaluations, affordable));
     // Hold everything later segments read, from the start; a value the greedy stops holding is then recomputed
     // from what is still held (values nobody held are never held: they stay transients of the replays).
     std::vector<int32_t> from(problem.values.size(), 0);
@@ -292,13 +297,13 @@ std::vector<ScheduleChoice> schedule_choices(const BlockProblem& problem, const 
     int32_t evaluations = 1;
     // Greedy (Note [Schedule model]): move past the peak the hold that lowers the working set most per nanosecond.
     bool pushed = false;
-    while (evaluations < options.max_evaluations) {
+    while (evaluations < max_evaluations) {
       double best_score = -1;
       ScheduleChoice best;
       const int32_t past = cur.peak_segment + 1;
       std::vector<int32_t> best_group;
       for (const std::vector<int32_t>& group : held_at_peak(m, cur)) {
-        if (evaluations >= options.max_evaluations) break;
+        if (evaluations >= max_evaluations) break;
         std::vector<int32_t> before;
         for (int32_t v : group) {
           before.push_back(from[static_cast<size_t>(v)]);

@@ -594,24 +594,46 @@ WriteWatcher::Write WriteWatcher::region_write(const char* op, c10::ArrayRef<c10
   w.sizes = target.sizes().vec();
   w.strides = target.strides().vec();
   w.dtype = target.scalar_type();
-  switch (w.kind) {
-    case RegionKind::kIndexPut:
-      for (const c10::IValue& i : inputs.at(1).toListRef()) {
-        w.indices.push_back(i.isTensor() ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
+  try {
+    switch (w.kind) {
+      case RegionKind::kIndexPut:
+        // Python's `b[:, idx] = v` passes an undefined tensor (a None) for each full slice before the index.
+        for (const c10::IValue& i : inputs.at(1).toListRef()) {
+          const bool index = i.isTensor() && i.toTensor().defined();
+          w.indices.push_back(index ? std::optional<at::Tensor>(i.toTensor().clone()) : std::nullopt);
+        }
+        break;
+      case RegionKind::kIndexDim: {
+        w.dim = inputs.at(1).toInt();
+        // index_fill_ accepts negative indices; index_select and index_copy_ (take and put) do not.
+        const at::Tensor& index = inputs.at(2).toTensor();
+        w.index = at::where(index < 0, index + target.size(w.dim), index);
+        break;
       }
-      break;
-    case RegionKind::kIndexDim:
-    case RegionKind::kScatter:
-      w.dim = inputs.at(1).toInt();
-      w.index = inputs.at(2).toTensor().clone();
-      break;
-    case RegionKind::kMasked:
-      w.mask = inputs.at(1).toTensor().clone();
-      break;
-    case RegionKind::kView:
-      break;
+      case RegionKind::kScatter:
+        w.dim = inputs.at(1).toInt();
+        w.index = inputs.at(2).toTensor().clone();
+        break;
+      case RegionKind::kMasked:
+        w.mask = inputs.at(1).toTensor().clone();
+        break;
+      case RegionKind::kView:
+        break;
+    }
+    w.old = take(w, target);
+  } catch (const std::exception&) {
+    // Note [A region that cannot be indexed]: an index form the region save does not know (before 2026-12-07 the
+    // two above refused every replay reading the storage, on every step: adversarial tests) saves the whole written
+    // view instead, which holds every entry the write can touch.
+    Write whole;
+    whole.kind = RegionKind::kView;
+    whole.offset = w.offset;
+    whole.sizes = std::move(w.sizes);
+    whole.strides = std::move(w.strides);
+    whole.dtype = w.dtype;
+    whole.old = take(whole, target);
+    return whole;
   }
-  w.old = take(w, target);
   return w;
 }
 

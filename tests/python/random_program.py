@@ -289,6 +289,51 @@ class _ExternalKernelFn(torch.autograd.Function):
         return (g.float() * (1 - out * out)).to(g.dtype), None, None
 
 
+# Operators registered outside aten (Program._with_custom_ops): one opaque op each to the recorder, whose kernel runs
+# below autograd. "noise" and "noisy" draw from the default generator inside the kernel (Note [Random numbers drawn
+# below a custom op], capture/src/recorder.cpp); "plain" draws nothing.
+@torch.library.custom_op("tapesac_rp::noise", mutates_args=())
+def _rp_noise(x: torch.Tensor) -> torch.Tensor:
+    return torch.rand_like(x)
+
+
+@_rp_noise.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tapesac_rp::noisy", mutates_args=())
+def _rp_noisy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.rand_like(x)
+    return x * r, r
+
+
+@_rp_noisy.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _rp_noisy_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])  # the noise, an output of the op: "full" drops it and replays the op
+
+
+_rp_noisy.register_autograd(lambda ctx, g, _gr: g * ctx.saved_tensors[0], setup_context=_rp_noisy_setup)
+
+
+@torch.library.custom_op("tapesac_rp::scale", mutates_args=())
+def _rp_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.5
+
+
+@_rp_scale.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_rp_scale.register_autograd(lambda ctx, g: g * 1.5)
+CUSTOM_OPS = ("noise", "noisy", "plain")
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op of a block: `kind` names it (see CATEGORIES), `j`/`k` index the pool, `p` is a small parameter."""
@@ -310,6 +355,8 @@ class OpSpec:
         if self.kind == "external_kernel":
             extra.append(list(EXTERNAL_FACTORIES)[self.k % len(EXTERNAL_FACTORIES)])
             extra.append("ctypes" if self.flag else "numpy")
+        elif self.kind == "custom_op":
+            extra.append(CUSTOM_OPS[self.k % len(CUSTOM_OPS)])
         elif self.flag:
             extra.append("flag")
         return f"{self.kind}({', '.join(extra)})" if extra else self.kind
@@ -434,7 +481,7 @@ class Program:
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
                 ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
                 ._with_entry_writes()._with_data_replacements()._with_refills()._with_retries()._with_self_calls()
-                ._with_module_hooks())
+                ._with_module_hooks()._with_custom_ops())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -508,7 +555,7 @@ class Program:
         case, hold_all). Half of these call the first block twice. Not with external kernels (their backward is not
         differentiable) nor attention (CPU SDPA has no double backward)."""
         rng = random.Random(f"double-{self.seed}")
-        no_double = {"external_kernel", "sdpa"}
+        no_double = {"external_kernel", "sdpa", "custom_op"}
         if self.step != "backward" or self.data_writes or no_double & set(self.ops()) or rng.random() >= 0.1:
             return self
         return dataclasses.replace(self, step=DOUBLE_SHAPE, repeat_first=self.repeat_first or rng.random() < 0.5)
@@ -611,6 +658,19 @@ class Program:
                                  factor=rng.choice([0.5, 1.5, -1.0])) for _ in range(rng.randint(1, 3)))
         return dataclasses.replace(self, module_hooks=hooks)
 
+    def _with_custom_ops(self) -> "Program":
+        """An operator registered outside aten (CUSTOM_OPS) inserted after a block's first two ops (from its own RNG).
+        Two of the three draw random numbers inside their kernel, unseen by the recorder: before 2026-12-07 their
+        replay drew new numbers (an adversarial test; Note [Random numbers drawn below a custom op])."""
+        rng = random.Random(f"custom-ops-{self.seed}")
+        blocks = []
+        for ops in self.blocks:
+            ops = list(ops)
+            if rng.random() < 0.1:
+                ops.insert(rng.randint(2, len(ops)), OpSpec("custom_op", k=rng.randrange(len(CUSTOM_OPS))))
+            blocks.append(tuple(ops))
+        return dataclasses.replace(self, blocks=tuple(blocks))
+
     def _with_entry_writes(self) -> "Program":
         """A `.data` write to a block's input at its entry — the previous block's output, which that block may have
         saved and tapesac dropped — with no reference to it kept afterwards (from its own RNG). Autograd's saved
@@ -636,6 +696,8 @@ class Program:
         out = []
         if "external_kernel" in self.ops():
             out.append("external_kernel")
+        if "custom_op" in self.ops():
+            out.append("custom_op")
         if "input_inplace" in self.ops():
             out.append("input_inplace" + (":repeated" if self.repeat_first and self.blocks[0][0].kind == "input_inplace"
                                           else ""))
@@ -962,6 +1024,13 @@ def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool
     if kind == "external_kernel":
         factory = list(EXTERNAL_FACTORIES)[op.k % len(EXTERNAL_FACTORIES)]
         return _ExternalKernelFn.apply(h, factory, "ctypes" if op.flag else "numpy")
+    if kind == "custom_op":
+        which = CUSTOM_OPS[op.k % len(CUSTOM_OPS)]
+        if which == "noise":  # the noise needs no gradient: mul saves it, "full" drops it
+            return h * (0.5 + torch.ops.tapesac_rp.noise(h.detach()))
+        if which == "noisy":
+            return torch.ops.tapesac_rp.noisy(h)[0] + h * 0.25
+        return torch.tanh(torch.ops.tapesac_rp.scale(h))
     if kind == "clone_contig_inplace":
         t = h.transpose(1, 2).clone(memory_format=torch.contiguous_format)
         t.mul_(1.5)

@@ -69,6 +69,13 @@ WRITES: dict[str, Callable[[torch.Tensor], None]] = {
     "whole add_": lambda b: b.add_(1.0),
     "two overlapping writes": lambda b: (b[0:50].zero_(), b.index_fill_(0, torch.tensor([1, 40, 60]), 3.0)),
     "roll (dense queue)": lambda b: b.copy_(torch.roll(b.clone(), 16, 0)),
+    # Python indexing with a full slice before the index: index_put_ with an undefined (None) index, which the region
+    # save cloned (an adversarial test: "tensor does not have a device" on every step, preserve="auto" unusable).
+    "setitem [:, idx]": lambda b: b.__setitem__((slice(None), torch.tensor([0, 5])), 1.0),
+    "setitem [..., idx]": lambda b: b.__setitem__((Ellipsis, torch.tensor([1, -1])), torch.ones(ROWS, 2)),
+    "setitem [idx, :, None]": lambda b: b.unsqueeze(-1).__setitem__((torch.tensor([3, 9]), slice(None), 0), 2.0),
+    # negative indices, which index_fill_ accepts and index_select (the region save's read) did not
+    "index_fill_ negative": lambda b: b.index_fill_(0, torch.tensor([-1, 2]), 7.0),
 }
 
 

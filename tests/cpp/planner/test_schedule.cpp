@@ -1,7 +1,8 @@
 // Tests of the planner's replay schedules (planner/schedule.h, Note [Schedule model]) on hand-made problems: the
 // replay order follows the observed unpack order, one segment costs no recompute, finer segments without holds
 // keep less alive and recompute shared producers, and schedule_choices() lists a cost/working-set frontier whose
-// cheapest point costs what one segment costs.
+// cheapest point costs what one segment costs; the search stays bounded on blocks of thousands of ops.
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -72,6 +73,68 @@ TEST(PlannerSchedule, ChoicesStartAtOneSegmentAndTradeTimeForBytes) {
     EXPECT_GE(choices[k].replay_cost_ns, choices[k - 1].replay_cost_ns);
     EXPECT_LT(choices[k].working_set_bytes, choices[k - 1].working_set_bytes);
   }
+}
+
+
+// An unrolled recurrence of `steps` cells (two saved values each: the gate and the state), backward unpacking them
+// last cell first: the shape of an nn.GRU block on CPU, which drops about a thousand values.
+struct Recurrence {
+  ProblemBuilder pb;
+  UnpackOrder unpack;
+  KeepMask drop_all;
+  explicit Recurrence(int steps) {
+    const int32_t x = pb.ext();
+    int32_t h = pb.ext();
+    std::vector<int32_t> saved;
+    for (int t = 0; t < steps; ++t) {
+      const int32_t g = pb.op("gate", 20, {x, h}, 4096);
+      h = pb.op("state", 10, {g, h}, 2048);
+      pb.save(g);
+      pb.save(h);
+      saved.push_back(g);
+      saved.push_back(h);
+    }
+    for (size_t i = saved.size(); i-- > 0;) {
+      unpack.values.push_back(saved[i]);
+      unpack.dies_before.push_back(static_cast<int32_t>(saved.size() - i));
+    }
+    drop_all.assign(saved.size(), 0);
+  }
+};
+
+TEST(PlannerSchedule, TheSearchIsBoundedOnABlockOfThousandsOfOps) {
+  // Note [Bounded schedule search]: before it, this problem's search ran 800 simulations of 1,200 segments each
+  // (21 s on the development machine, measured with both bounds lifted); an adversarial test's GRU blocks took
+  // 6.5-26 s to plan.
+  Recurrence r(600);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<ScheduleChoice> choices = schedule_choices(r.pb.problem, r.drop_all, r.unpack);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(choices.empty());
+  const ScheduleOptions defaults;
+  for (const ScheduleChoice& c : choices) EXPECT_LE(c.segments(), defaults.max_segments);
+  EXPECT_GT(choices.back().segments(), 1);  // the search still found finer schedules
+  EXPECT_LT(seconds, 5.0) << "0.16 s on the development machine; generous for sanitizers and shared CI";
+}
+
+TEST(PlannerSchedule, SegmentCapGroupsConsecutiveValuesAndKeepsTheCheapestChoice) {
+  Recurrence r(40);
+  ScheduleOptions options;
+  options.max_segments = 8;
+  const std::vector<ScheduleChoice> choices = schedule_choices(r.pb.problem, r.drop_all, r.unpack, options);
+  const ScheduleChoice one = evaluate_schedule(r.pb.problem, r.drop_all, r.unpack,
+                                               replay_order(r.pb.problem, r.drop_all, r.unpack), {}, {});
+  ASSERT_FALSE(choices.empty());
+  EXPECT_DOUBLE_EQ(choices.front().replay_cost_ns, one.replay_cost_ns);
+  for (const ScheduleChoice& c : choices) {
+    EXPECT_LE(c.segments(), 8);
+    for (size_t k = 1; k < c.segment_begin.size(); ++k) EXPECT_LT(c.segment_begin[k - 1], c.segment_begin[k]);
+  }
+  // A tiny work budget still evaluates (at least 4 simulations) and returns a valid frontier.
+  options.max_cells = 1;
+  const std::vector<ScheduleChoice> cheap = schedule_choices(r.pb.problem, r.drop_all, r.unpack, options);
+  ASSERT_FALSE(cheap.empty());
+  EXPECT_DOUBLE_EQ(cheap.front().replay_cost_ns, one.replay_cost_ns);
 }
 
 }  // namespace

@@ -266,5 +266,29 @@ TEST(WriteWatcher, TwoWatchersHoldOneStorageAndEndInEitherOrder) {
   }
 }
 
+
+// Note [A region that cannot be indexed]: a write whose region the watcher cannot index (here index_fill_ on a 0-dim
+// tensor, whose dimension 0 the negative-index wrap cannot size) saves the whole written view and restores from it.
+TEST(WriteWatcher, AWriteWhoseRegionCannotBeIndexedSavesTheWholeView) {
+  WriteWatcher w(PreserveMode::kRegions);
+  w.install();
+  at::Tensor scalar = torch::tensor(5.0f);
+  const at::Tensor forward = scalar.clone();
+  const int64_t mark = w.watch(scalar);
+  scalar.index_fill_(0, torch::tensor({0}), 1.0);
+  EXPECT_EQ(w.writes_since(scalar, mark), 1);
+  const std::vector<PreservedStorage> st = w.stats();
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].held_bytes, 4);  // the one float of the view
+  std::string why;
+  {
+    WriteWatcher::Restored r = w.restore(scalar, mark, 1, &why);
+    ASSERT_TRUE(r.copy.defined() || r.swap) << why;
+    EXPECT_TRUE(at::equal(r.swap ? scalar : r.copy, forward));
+  }
+  EXPECT_EQ(scalar.item<float>(), 1.0f);
+  w.end();
+}
+
 }  // namespace
 }  // namespace tapesac::replay

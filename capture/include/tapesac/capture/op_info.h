@@ -22,8 +22,12 @@ struct OpInfo {
   /// Has an autocast kernel: when autocast is on for the device, the inner (cast) call is recorded instead.
   bool autocast_cpu = false;
   bool autocast_cuda = false;
-  /// Schema tag nondeterministic_seeded.
+  /// Schema tag nondeterministic_seeded, or a Generator argument in the schema.
   bool random = false;
+  /// An operator outside aten and prims (a torch.library custom op, a C++ extension's) not known to be random: its
+  /// kernel may draw from the device's default generator below autograd, where the recorder does not see it. The
+  /// recorder compares that generator before and after the call (Note [Random numbers drawn below a custom op]).
+  bool probe_rng = false;
   /// Schema tag nondeterministic_bitwise.
   bool nondeterministic_bitwise = false;
   /// Collectives and other ops whose effects must not happen twice.

@@ -158,6 +158,7 @@ class Recorder : private CallObserver {
     SmallVec<c10::IValue, 6> args;
     std::optional<at::Generator> generator;
     c10::intrusive_ptr<c10::TensorImpl> generator_state;
+    bool rng_probe = false;  // generator_state is a probe: kept only if the call moved the generator
     bool non_replayable = false;
     bool composite = false;  // statically decomposes; see Note [Composite ops that run themselves]
     bool has_tensor_args = false;
@@ -221,6 +222,8 @@ class Recorder : private CallObserver {
   void add_input(Frame& f, const at::Tensor& t, int arg, int elem);
   void link_value(ValueId v, StorageId s);
   void capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs);
+  void probe_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs);
+  static void settle_rng_probe(Frame& f);
   /// The op timer threw or gave unusable figures: cancel it, keep the CPU clock, remember why.
   void drop_timer(const std::string& why) noexcept;
   /// Recording stops: the timer's figures replace the tape's durations (or the timer is dropped).

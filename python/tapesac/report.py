@@ -57,6 +57,7 @@ class StepReport:
     ops_replayed_by_name: dict[str, int] = field(default_factory=dict)
     peaks: tuple[int, ...] = ()
     timeline: dict[str, Any] = field(default_factory=dict)
+    over_limit_steps: tuple[int, ...] = ()  # the steps whose measured peak exceeded memory_limit (StepStats.over_limit)
 
     @classmethod
     def from_history(cls, history: Sequence[StepStats], blocks: Sequence[str],
@@ -83,6 +84,7 @@ class StepReport:
             ops_replayed_by_name=dict(last["ops_replayed_by_name"]) if last else {},
             peaks=tuple(int(r["memory"]["peak_bytes"]) for r in records if r.get("memory")),
             timeline={"points": list(timeline.get("timeline", [])), "spans": list(timeline.get("spans", []))},
+            over_limit_steps=tuple(int(r["step"]) for r in records if r.get("over_limit")),
         )
 
     @classmethod
@@ -145,6 +147,7 @@ class StepReport:
         d = dict(d)
         d["blocks"] = tuple(d["blocks"])
         d["peaks"] = tuple(d.get("peaks", ()))
+        d["over_limit_steps"] = tuple(d.get("over_limit_steps", ()))
         return cls(**d)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -195,7 +198,13 @@ class StepReport:
                 f"step; replay arena {_mib(mem['arena_bytes'])} MiB (one pool per block would hold "
                 f"{_mib(mem['arena_separate_bytes'])} MiB)"
                 + (f"; limit {_mib(limit)} MiB, {mem['replay_pieces']} replay(s) split" if limit else "")
+                + (f"; OVER the limit by {last['over_limit_bytes']:,} bytes" if last.get("over_limit") else "")
             )
+            if self.over_limit_steps:
+                shown = ", ".join(map(str, self.over_limit_steps[:10])) + (", ..." if len(self.over_limit_steps) > 10
+                                                                          else "")
+                lines.append(f"over memory_limit: {len(self.over_limit_steps)} of {self.steps} step(s) (steps {shown}; "
+                             f"StepStats.over_limit)")
             if len(self.peaks) > 1:
                 lines.append(f"step peaks over {len(self.peaks)} steps: min {_mib(min(self.peaks))} MiB, "
                              f"max {_mib(max(self.peaks))} MiB")

@@ -248,7 +248,10 @@ void Session::collect_memory() noexcept {
     if (memory_) last_records_ = memory_->take_records();
     StepMemoryStats m;
     if (memory_) m = StepMemoryStats::of(*memory_, options_.memory_limit);
-    m.memory_limit = options_.memory_limit;
+    // The limit the step is held to (the user's), also on auto's measuring step, whose enforced limit is none: the
+    // over-limit flag is computed against it (an adversarial test found over_limit set and memory_limit None).
+    const int64_t limit = std::max(options_.memory_limit, options_.graph_memory_limit);
+    m.memory_limit = limit;
     last_peak_ = m.baseline + m.total.peak;
     if (options_.has_arena() && options_.device_memory) {
       last_peak_ = std::max(last_peak_, options_.device_memory->allocated_peak(options_.arena_device));
@@ -256,7 +259,6 @@ void Session::collect_memory() noexcept {
     last_memory_ = std::move(m);
     last_summary_ = summarize_step(last_stats_, last_records_);
     // The limit is promised for the whole step: a peak over it is reported however it came about.
-    const int64_t limit = std::max(options_.memory_limit, options_.graph_memory_limit);
     if (limit > 0) {
       int64_t& over = last_summary_.totals.over_limit_bytes;
       over = std::max<int64_t>({over, last_peak_ - limit, 0});

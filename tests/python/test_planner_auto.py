@@ -473,3 +473,112 @@ def test_a_lowered_limit_is_met_from_the_next_step(tapesac) -> None:
         model.zero_grad(set_to_none=True)
         assert not sac.last_step.over_limit, (i, sac.last_step.memory.peak_bytes, sac.memory_limit)
     sac.close()
+
+
+def test_a_refused_limit_runs_the_least_memory_step_after_the_probe(tapesac) -> None:
+    """Note [Refused with a plan installed] (runtime/src/runtime.cpp): a limit 1 byte below the floor, where the LM
+    head dominates so that keeping everything lies within the probe's 5%. Step 1 (measuring) is 1 byte over, step 2
+    runs the keep-everything probe once and the limit is refused; a loop that catches MemoryLimitError and steps on
+    then runs the least-memory masks again (1 byte over, refused each time). Before 2026-12-07 every later step ran
+    the probe's keep-everything plan again, 634,817 bytes (4.3%) over (an adversarial test)."""
+    from tapesac.models import tiny_qwen3
+
+    torch.manual_seed(0)
+    model = tiny_qwen3(vocab_size=8192, hidden_size=32, num_hidden_layers=2, intermediate_size=64, head_dim=8)
+    x = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
+    probe = tapesac.TapeSAC(model, policy="auto", memory_limit=10**12)
+    _step(probe, model, x)  # the measuring step of auto: its peak is the floor
+    floor = probe.last_step.memory.peak_bytes
+    probe.close()
+    model.zero_grad(set_to_none=True)
+    sac = tapesac.TapeSAC(model, policy="auto", memory_limit=floor - 1)
+    peaks, refused, kept_all = [], 0, []
+    for _ in range(6):
+        try:
+            _step(sac, model, x)
+        except tapesac.MemoryLimitError as e:
+            refused += 1
+            assert f"{floor} bytes" in str(e), str(e)
+        st = sac.last_step
+        assert st.over_limit and st.over_limit_bytes == st.memory.peak_bytes - (floor - 1)
+        # the limit the step is held to, also on the measuring step (None there before 2026-12-07)
+        assert st.memory.memory_limit == floor - 1
+        peaks.append(st.memory.peak_bytes)
+        kept_all.append(st.dropped_tensors == 0)
+        model.zero_grad(set_to_none=True)
+    text = sac.report().pretty()
+    assert "OVER the limit by 1 bytes" in text and "over memory_limit: 6 of 6 step(s) (steps 1, 2, 3, 4, 5, 6" in text, text
+    rep = sac.report()
+    assert type(rep).from_dict(rep.to_dict()) == rep and rep.over_limit_steps == (1, 2, 3, 4, 5, 6)
+    sac.close()
+    assert peaks[0] == floor and kept_all[1], (peaks, kept_all)  # the probe ran once, on step 2
+    assert refused == 5, refused  # from step 2 on
+    assert peaks[2:] == [floor] * 4 and not any(kept_all[2:]), (floor, peaks, kept_all)
+
+
+class _BranchBlock(torch.nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.a, self.b, self.n = torch.nn.Linear(d, h), torch.nn.Linear(h, d), torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.a(self.n(x)))
+        if float(x.detach().sum()) > 0:  # a data-dependent branch: the tape changes with the batch
+            y = y * torch.sigmoid(y)
+        return x + self.b(y)
+
+
+class _BranchNet(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Linear(16, d)
+        self.blocks = torch.nn.ModuleList([_BranchBlock(d, h) for h in (32, 512, 64, 256)])
+        self.head = torch.nn.Linear(d, 2000)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h).logsumexp(-1).mean()
+
+
+def _branch_batch(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(4, 32, 16, generator=g) * (1 if i % 2 else -1) + (0.3 if i % 3 else -0.3)
+
+
+@pytest.mark.parametrize("between", [0.0, 0.3])
+def test_tapes_no_step_measured_are_measured_before_a_refusal(tapesac, between) -> None:
+    """Note [Unmeasured tapes are measured before a refusal] (runtime/src/runtime.cpp): at full's peak (and 30% of
+    the way to none's), auto with one-segment replays met the limit on every step, and yet the step where a branch
+    flipped raised MemoryLimitError naming a floor 11% above the peak that step measured (the planner's model of
+    tapes no step had measured; an adversarial test). Now no step is refused, every step is within the limit, and
+    the gradients are exact."""
+    peaks = {}
+    for policy in ("full", "none"):
+        torch.manual_seed(0)
+        m = _BranchNet()
+        sac = tapesac.TapeSAC(m, blocks="blocks.*", policy=policy, schedule="one_segment")
+        for i in range(6):
+            with sac.step():
+                m(_branch_batch(i)).backward()
+            peaks[policy] = max(peaks.get(policy, 0), sac.last_step.memory.peak_bytes)
+            m.zero_grad(set_to_none=True)
+        sac.close()
+    limit = int(peaks["full"] + between * (peaks["none"] - peaks["full"]))
+    torch.manual_seed(0)
+    model = _BranchNet()
+    ref = copy.deepcopy(model)
+    sac = tapesac.TapeSAC(model, blocks="blocks.*", policy="auto", memory_limit=limit)
+    try:
+        for i in range(8):
+            with sac.step():
+                model(_branch_batch(i)).backward()
+            ref(_branch_batch(i)).backward()
+            assert not sac.last_step.over_limit and sac.last_step.memory.peak_bytes <= limit, (i, limit)
+            assert_same_grads(model, ref, f"step {i}")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+        assert any(p["reason"].startswith("measuring next") for p in sac.plans), [p["reason"] for p in sac.plans]
+    finally:
+        sac.close()

@@ -59,6 +59,23 @@ TEST(ReplanPolicy, OverTheLimitReplansAndKeepsTheModelErrorAsMargin) {
   EXPECT_EQ(policy.model_error_bytes(), 60'000);
 }
 
+// A step with new tapes (another sequence length) did not run the plan: its peak less the plan's prediction is the new
+// shape's size. Counted as model error it held back 590,624 bytes for good in a run no step of which went over (an
+// adversarial test).
+TEST(ReplanPolicy, AStepWithNewTapesIsNoMeasureOfTheModelsError) {
+  ReplanPolicy policy;
+  const PlanInfo last = plan_with(600'000, "sequence");
+  ReplanDecision d = policy.decide(&last, {kLimit, 980'000, true});
+  EXPECT_TRUE(d.replan);
+  EXPECT_EQ(d.reason, "new tape");
+  EXPECT_EQ(d.margin_bytes, 0);
+  EXPECT_EQ(policy.model_error_bytes(), 0);
+  // A planned step that the model missed still counts.
+  const PlanInfo next = plan_with(950'000, "sequence");
+  d = policy.decide(&next, {kLimit, 1'010'000, false});
+  EXPECT_EQ(d.margin_bytes, 60'000);
+}
+
 // The probe of issue 18 item 5: gradients kept from the previous step grew the baseline by 198,912 bytes; the
 // plan kept everything (predicted 422,408 on a step without them) and measured 570,120. That growth is not the
 // model's error: no margin (main kept 147,712 bytes, and refused every limit below 570,120 + 147,712 of it).

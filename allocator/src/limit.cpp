@@ -38,7 +38,9 @@ std::string rejection_message(const LimitDecision& d, const std::string& block, 
          phase + " of block '" + block + "': " + format_bytes(d.in_use) + " are in use and the smallest replay needs " +
          format_bytes(d.need) + " more (" + std::to_string(d.in_use + d.need) + " bytes in all; headroom " +
          format_bytes(d.headroom) + "). Raise memory_limit to at least " + std::to_string(d.in_use + d.need) +
-         " bytes, use a policy that keeps more (e.g. policy='none'), or lower the batch size.";
+         " bytes (a lower bound: what this replay needs at this moment; the backward's own allocations and the "
+         "other blocks' replays come on top, and a new limit is planned afresh), use a policy that keeps more "
+         "(e.g. policy='none'), or lower the batch size.";
 }
 
 void ArenaAccounting::on_replay(const std::string& block, int64_t working_set) noexcept {

@@ -76,7 +76,7 @@ std::vector<planner::CallAlive> alive_by_call(const replay::StepMemoryStats& m, 
 }  // namespace
 
 std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes,
-                                     int64_t measured_full_bytes) {
+                                     int64_t measured_full_bytes, bool one_segment) {
   const int64_t user_limit = limit_bytes + margin_bytes;
   const int64_t planned = smallest_feasible_bytes + margin_bytes;
   // A limit at the step peak "full" measured runs (Note [Measured fallback] in runtime.h).
@@ -95,7 +95,13 @@ std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasi
          common::format_bytes(smallest_feasible_bytes) + " (" + std::to_string(smallest_feasible_bytes) +
          " bytes: parameters, gradients and activations outside the blocks as measured in the first step, plus the "
          "least every block must keep, plus one block's replay). Raise memory_limit to at least " +
-         std::to_string(needed) + " bytes" + why + ", or lower the batch size or sequence length.";
+         std::to_string(needed) + " bytes" + why + ", or lower the batch size or sequence length." +
+         // An adversarial test: auto (one segment) called a limit infeasible that the planned schedules of "full" and
+         // of auto met; the floor named is this schedule's.
+         (one_segment ? " That floor is for one-segment replays (auto's default schedule, every dropped value of a "
+                        "block rebuilt at its first unpack); schedule=\"planned\" replays in segments and can go "
+                        "lower."
+                      : "");
 }
 
 AutoPlanner::AutoPlanner(replay::Session& session, AutoPlannerOptions options)
@@ -137,7 +143,8 @@ PlanInfo AutoPlanner::plan(int64_t limit, int64_t measured_peak, int64_t margin_
     plan = plan_under_ceiling(prep.input, use_seq, model, limit, ceiling);
   } catch (const planner::InfeasibleLimitError& e) {
     throw Error(ErrorKind::kMemoryLimit, infeasible_limit_message(limit, e.smallest_feasible_bytes(), margin_bytes,
-                                                                  measured_full_bytes));
+                                                                  measured_full_bytes,
+                                                                  !options_.schedules && !options_.fixed_masks));
   }
   PlanInfo out = install(plan, prep.input);
   last_model_ = model;

@@ -241,6 +241,7 @@ def test_infeasible_limit_names_the_smallest_feasible(tapesac) -> None:
         _step(sac, model, x)
     msg = str(ei.value)
     assert "4000000 bytes" in msg and "smallest feasible" in msg and "at least" in msg, msg
+    assert 'schedule="planned" replays in segments and can go lower' in msg, msg  # auto's default: one segment
     smallest = int(msg.split("at least ")[1].split(" bytes")[0])
     assert smallest > 4_000_000
     # The named limit is feasible: a new instance with it plans and runs.

@@ -70,9 +70,10 @@ struct AutoPlannerOptions {
 /// how to fix it ("Raise memory_limit to at least N bytes, ..."). `margin_bytes`: what the planner held back from the
 /// user's limit for its prediction error (planned under limit - margin); the figure named includes it, unless
 /// `measured_full_bytes` (the step peak the masks of policy "full" measured, shifted to the step's baseline; Note
-/// [Measured fallback] in runtime.h) is lower: a limit at it runs.
+/// [Measured fallback] in runtime.h) is lower: a limit at it runs. `one_segment`: the plans replay each block call's
+/// dropped values at once (auto's default schedule); the message then says that schedule="planned" can go lower.
 std::string infeasible_limit_message(int64_t limit_bytes, int64_t smallest_feasible_bytes, int64_t margin_bytes = 0,
-                                     int64_t measured_full_bytes = INT64_MAX);
+                                     int64_t measured_full_bytes = INT64_MAX, bool one_segment = false);
 
 /// Plans policy "auto" for one Session. Registers itself as the session's tape observer for its lifetime; the
 /// session must outlive it.

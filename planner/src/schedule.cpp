@@ -266,9 +266,15 @@ ScheduleChoice evaluate_schedule(const BlockProblem& problem, const KeepMask& ke
                                  std::vector<int32_t> order, std::vector<int32_t> segment_begin,
                                  const std::vector<int32_t>& hold_from) {
   const Model m(problem, keep, unpack);
+  // A mask of the candidates, not a search per value: that was O(order * candidates) per evaluation, the largest
+  // self cost of the top-up on blocks of thousands of ops (an adversarial test; Note [Bounded schedule search]).
+  std::vector<uint8_t> candidate(m.base.size(), 0);
+  for (int32_t c : problem.candidates) {
+    if (c >= 0 && static_cast<size_t>(c) < candidate.size()) candidate[static_cast<size_t>(c)] = 1;
+  }
   for (int32_t v : order) {
     const bool dropped = v >= 0 && static_cast<size_t>(v) < m.base.size() && !m.base[static_cast<size_t>(v)] &&
-                         std::find(problem.candidates.begin(), problem.candidates.end(), v) != problem.candidates.end();
+                         candidate[static_cast<size_t>(v)] != 0;
     TAPESAC_CHECK(dropped, kConfig, "evaluate_schedule: v", v, " in the order is not a candidate the mask drops");
   }
   return run(m, std::move(order), std::move(segment_begin), hold_from);

@@ -145,8 +145,11 @@ class Greedy {
   }
 
   std::optional<ScheduleChoice> evaluate(const CallState& s, const KeepMask& keep, const ScheduleShape& shape) {
-    if (evaluations_ >= options_.max_evaluations) return std::nullopt;
+    const int64_t cells = static_cast<int64_t>(std::max(1, shape.segments())) *
+                          static_cast<int64_t>(s.p->values.size() + s.p->ops.size());
+    if (evaluations_ >= options_.max_evaluations || cells_ + cells > options_.max_cells) return std::nullopt;
     ++evaluations_;
+    cells_ += cells;
     try {
       return evaluate_schedule(*s.p, keep, *s.unpack, shape.order, shape.segment_begin,
                                hold_from_of(shape, s.p->values.size()));
@@ -211,6 +214,7 @@ class Greedy {
   TopUpOptions options_;
   std::vector<CallState> states_;
   int64_t evaluations_ = 0;
+  int64_t cells_ = 0;
 };
 
 }  // namespace

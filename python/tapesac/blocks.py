@@ -136,12 +136,15 @@ def resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]
             f"with * (e.g. 'model.layers.*'); got {type(blocks).__name__}"
         )
     # Outermost matches only: a block inside another block is recorded as part of the outer one.
+    # By name (each ancestor looked up once): scanning every named module per block was quadratic, 1.7 s to construct
+    # a TapeSAC over 1,600 blocks (an adversarial test).
     chosen_ids = {id(m) for _, m in chosen}
+    by_name = dict(named)
     outer = []
     for name, m in chosen:
         parts = name.split(".")
-        ancestors = {".".join(parts[:i]) for i in range(len(parts))}
-        if any(id(mm) in chosen_ids and nn_name in ancestors for nn_name, mm in named if mm is not m):
+        ancestors = (by_name.get(".".join(parts[:i])) for i in range(len(parts)))
+        if any(a is not None and a is not m and id(a) in chosen_ids for a in ancestors):
             continue
         outer.append((name, m))
     containers = [n for n, m in outer if isinstance(m, (nn.ModuleList, nn.ModuleDict))]

@@ -332,6 +332,12 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 _rp_scale.register_autograd(lambda ctx, g: g * 1.5)
 CUSTOM_OPS = ("noise", "noisy", "plain")
+# Seeds pinned by regression tests of test_random_programs.py (found by earlier runs; their docstrings describe those
+# programs): a family added later leaves them as they were (Program._with_custom_ops).
+PINNED_SEEDS = frozenset({
+    5, 22, 52, 68, 71, 104, 137, 155, 236, 265, 273, 332, 471, 528, 577, 645, 685, 702, 724, 773, 820, 847, 865, 960,
+    977, 989, 1034, 1220, 1272, 1336, 1353, 1440, 1509, 1527, 1651, 1843, 1846, 1981, 2091, 2123, 2141, 2206, 2218,
+    2314, 2517, 2527, 2575, 2586, 2838, 3022, 3240, 3314, 3349, 3736, 3804, 4181, 4437, 4603, 4682})
 
 
 @dataclass(frozen=True)
@@ -662,6 +668,8 @@ class Program:
         """An operator registered outside aten (CUSTOM_OPS) inserted after a block's first two ops (from its own RNG).
         Two of the three draw random numbers inside their kernel, unseen by the recorder: before 2026-12-07 their
         replay drew new numbers (an adversarial test; Note [Random numbers drawn below a custom op])."""
+        if self.seed in PINNED_SEEDS:
+            return self
         rng = random.Random(f"custom-ops-{self.seed}")
         blocks = []
         for ops in self.blocks:

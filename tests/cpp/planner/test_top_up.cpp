@@ -90,6 +90,18 @@ TEST(PlannerTopUp, KeepsWhatSavesTheMostPerByteWithinTheRoom) {
   EXPECT_TRUE(top_up({t.call()}, -1).changes.empty());
 }
 
+// TopUpOptions::max_cells bounds the simulation work: with no budget nothing is evaluated and nothing changes (no
+// error), and a budget of one evaluation's work still lets the first check run but no option.
+TEST(PlannerTopUp, TheSimulationBudgetStopsTheSearchWithoutError) {
+  const Three t;
+  TopUpOptions none;
+  none.max_cells = 0;
+  EXPECT_TRUE(top_up({t.call()}, 5 * kMiB, none).changes.empty());
+  TopUpOptions ample;
+  ample.max_cells = int64_t{1} << 40;
+  EXPECT_EQ(top_up({t.call()}, 5 * kMiB, ample).changes.size(), 1u);  // as with the default budget
+}
+
 TEST(PlannerTopUp, AcrossCallsTheBestValueOfAnyCallFirst) {
   const Three t;
   TopUpCall kept_c = t.call();

@@ -58,6 +58,10 @@ struct TopUp {
 struct TopUpOptions {
   /// Schedule evaluations the greedy may spend (each is one simulation of a call's segments).
   int64_t max_evaluations = 20000;
+  /// The simulation work it may spend, in segments * (values + ops) summed over evaluations (Note [Bounded schedule
+  /// search] in schedule.h: on blocks of thousands of ops each top-up took seconds, after every step that left room;
+  /// an adversarial test). An evaluation past it is skipped as if it failed: the top-up keeps what it found so far.
+  int64_t max_cells = 32'000'000;
 };
 
 /// `shape` with value `v` kept instead of replayed (Note [Top-up]): `v` leaves the order and its holds go; a segment

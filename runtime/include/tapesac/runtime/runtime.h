@@ -179,6 +179,11 @@ class Runtime {
   // ran over]. fallback_made_: make_plan chose one for the plan being made.
   bool fallback_plan_ = false;
   bool fallback_made_ = false;
+  // Note [A top-up that found nothing]: plans adopted so far, and the plan and room of the last top-up that kept
+  // nothing more (not tried again for that plan unless the room grows).
+  int64_t plan_generation_ = 0;
+  int64_t topup_failed_generation_ = -1;
+  int64_t topup_failed_room_ = 0;
   double keep_all_probe_ = 0;    // RuntimeOptions::keep_all_probe
   bool probed_ = false;          // a keep-everything probe ran (or is running) under this limit
   bool probe_running_ = false;   // the plan in use is the probe's: the step after it is planned again

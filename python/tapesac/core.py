@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .attach import Attachment, check_not_attached
+from .attach import Attachment, check_not_attached, nesting_message
 from .blocks import ModelTensors, check_blocks, model_device, resolve_backend, resolve_blocks
 from .config import Approx, Config, options_doc, resolve_schedule
 from .conflicts import Conflicts, remove_handles
@@ -177,13 +177,7 @@ class TapeSAC:
             raise TapeSACError("sac.step() entered while a step of this TapeSAC is open on another thread; one "
                                "TapeSAC runs one step at a time (train two models with two TapeSACs)")
         if active is not None:
-            same = "the same" if active is self else "another"
-            raise TapeSACError(
-                f"sac.step() entered while a step of {same} TapeSAC is open on this thread; steps cannot nest. "
-                f"Finish the open `with sac.step():` block first (a trainer callback must exit each step it enters, "
-                f"after its backward: tapesac.integrations has callbacks for HF Trainer and Lightning, and "
-                f"sac.attach(optimizer) delimits steps without a `with` block)."
-            )
+            raise TapeSACError(nesting_message(active, "the same" if active is self else "another"))
         params = self._tensors()
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)

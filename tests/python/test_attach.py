@@ -327,3 +327,51 @@ def test_attached_forwards_whose_graphs_die_end_their_step(tapesac) -> None:
     ref_opt.step()
     assert_same_params(model, ref)
     sac.close()
+
+
+def test_an_attached_step_that_never_ends_is_warned_once(tapesac, caplog) -> None:
+    """Note [An attached step that never ends] (attach.py): attach() without an optimizer and no end_step() (or an
+    HF train() that raised and left its attachment) made every later forward pass join one step, memory growing
+    without a word (+187 MiB over 1,000 iterations: an adversarial test). At 64 passes a warning says so, once; a
+    `with sac.step():` entered then names the attached step instead of a `with` block the user never opened."""
+    import logging
+
+    model = stack()
+    sac = tapesac.TapeSAC(model, blocks=model.blocks, policy="full")
+    att = sac.attach()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tapesac"):
+            for i in range(70):
+                default_loss(model, (x_in(),)).backward()
+                if i == 62:
+                    assert not [r for r in caplog.records if "has joined 64 forward passes" in r.getMessage()]
+        warned = [r for r in caplog.records if "has joined 64 forward passes" in r.getMessage()]
+        assert len(warned) == 1 and "attachment.end_step()" in warned[0].getMessage()
+        assert att.step_open
+        with pytest.raises(tapesac.TapeSACError, match="attached step"):
+            with sac.step():
+                pass
+        att.end_step()
+        assert not att.step_open and len(sac.history) == 1
+    finally:
+        sac.close()
+
+
+def test_gradient_accumulation_under_64_passes_is_not_warned(tapesac, caplog) -> None:
+    import logging
+
+    model = stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sac = tapesac.TapeSAC(model, blocks=model.blocks, policy="full")
+    sac.attach(opt)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tapesac"):
+            for _ in range(3):
+                for _ in range(40):
+                    default_loss(model, (x_in(),)).backward()
+                opt.step()
+                opt.zero_grad()
+        assert not [r for r in caplog.records if "forward passes" in r.getMessage()]
+        assert len(sac.history) == 3
+    finally:
+        sac.close()

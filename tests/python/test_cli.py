@@ -66,6 +66,14 @@ def test_validate_command(tapesac, capsys, tmp_path) -> None:
     assert data["bitwise_equal"] is True and data["gradients"]
 
 
+def test_validate_auto_says_it_checked_full(tapesac, capsys) -> None:
+    """validate runs one step; auto's first measures with full's masks. The output said only "bitwise equal", read as
+    a check of auto's plans (an adversarial test): it now says what was checked."""
+    assert _cli().main(["validate", "--size", "smoke", "--policy", "auto", "--memory-limit", "1.3MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "bitwise equal" in out and 'this checked "full", no plan of auto' in out, out
+
+
 def test_report_without_matplotlib(tapesac, tmp_path) -> None:
     """`report` needs matplotlib only for --plot; without it --plot is a one-line error naming the extra."""
     from models import stack, x_in

@@ -190,6 +190,13 @@ def _heads(args: argparse.Namespace) -> int:
     from .cli_args import at_least, positive_finite, writable
 
     writable("--plot", args.plot, figure=True)
+    writable("--json", args.json)  # before training: it was written at the end (an adversarial test: a folder failed
+    # there, after the whole run, with a raw OSError)
+    outputs = [(o, v) for o, v in (("--json", args.json), ("--log", args.log), ("--plot", args.plot)) if v]
+    for k, (o1, v1) in enumerate(outputs):
+        for o2, v2 in outputs[k + 1:]:
+            if Path(v1).resolve() == Path(v2).resolve():  # --json overwrote the --log telemetry (adversarial test)
+                raise SystemExit(f"{o1} and {o2} name one file ({v1}); give each its own path")
     for option, value in (("--steps", args.steps), ("--batch", args.batch), ("--layers", args.layers),
                           ("--hidden", args.hidden), ("--heads", args.heads), ("--threads", args.threads)):
         at_least(option, value, 1)

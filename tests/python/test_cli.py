@@ -66,6 +66,18 @@ def test_validate_command(tapesac, capsys, tmp_path) -> None:
     assert data["bitwise_equal"] is True and data["gradients"]
 
 
+def test_demo_output_paths_are_checked_before_training(tapesac, capsys, tmp_path) -> None:
+    """--json naming a folder failed after the whole run with a raw OSError; --json and --log naming one file let the
+    results overwrite the telemetry (adversarial tests). Both are usage errors now, before any work."""
+    cli = _cli()
+    assert cli.main(["demo", "--steps", "1000000", "--json", str(tmp_path)]) == 2  # refused before a million steps
+    assert "--json must be a file path" in capsys.readouterr().err
+    same = str(tmp_path / "d.jsonl")
+    assert cli.main(["demo", "--steps", "1000000", "--json", same, "--log", same]) == 2
+    assert "name one file" in capsys.readouterr().err
+    assert not (tmp_path / "d.jsonl").exists()
+
+
 def test_validate_auto_says_it_checked_full(tapesac, capsys) -> None:
     """validate runs one step; auto's first measures with full's masks. The output said only "bitwise equal", read as
     a check of auto's plans (an adversarial test): it now says what was checked."""

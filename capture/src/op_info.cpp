@@ -132,6 +132,7 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
                      ns_name == "aten::_unpack_dual" || ns_name == "aten::_fw_primal_copy" ||
                      ns_name == "aten::_make_dual_copy";
   info->fill = ns_name == "aten::fill_";
+  info->unwritten_outputs = ns_name == "aten::_ctc_loss" || ns_name == "aten::_cudnn_ctc_loss";
   info->bytes_unread_arg.resize(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i].is_out()) info->bytes_unread_arg[i] = true;

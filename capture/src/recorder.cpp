@@ -868,6 +868,7 @@ OpIndex Recorder::finish(Frame& f, const CallView& call, c10::ArrayRef<c10::IVal
     if (f.generator.has_value()) rec.flags |= kRandom;
     if (info.nondeterministic_bitwise && scan.cuda) rec.flags |= kNondeterministic | kNonReplayable;
     if (info.uninitialized || deterministic_fill(info, rec)) rec.flags |= kUninitialized;
+    if (info.unwritten_outputs) rec.flags |= kUnwrittenBytes;
     note_writes(rec);
     const OpIndex index = tape_.add_op(std::move(rec));
     OpPayload& payload = payloads_.emplace_back();

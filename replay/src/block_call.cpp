@@ -452,7 +452,10 @@ std::vector<Read> BlockCall::drop(const KeepDecision& d) {
       targets.push_back(Read{s.value, s.state});
       value_state_[static_cast<size_t>(s.value)] = s.state;
       dropped_values_.push_back(s.value);
-      contract_.remember_bytes(s.value, s.tensor);
+      const capture::OpIndex producer = recorder_.tape().value(s.value).producer;
+      if (producer < 0 || (recorder_.tape().op(producer).flags & capture::kUnwrittenBytes) == 0) {
+        contract_.remember_bytes(s.value, s.tensor);
+      }
     }
     s.tensor.reset();
   }

@@ -102,3 +102,37 @@ def test_strict_passes_and_is_exact_on_an_unchanged_model() -> None:
     blocks = _blocks(3)
     sac = tapesac.TapeSAC(blocks, blocks=blocks, policy="full", contract="strict")
     _assert_step_exact(sac, blocks, torch.randn(4, 16))
+
+
+class _CtcBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # x [B=2, T=3, 8]
+        h = self.lin(x)
+        lp = h.log_softmax(-1).transpose(0, 1)
+        # targets of different lengths: the CPU kernel leaves the saved log_alpha unwritten past each one's length
+        loss = torch.nn.functional.ctc_loss(lp, torch.tensor([[1, 2], [3, 3]]), torch.tensor([3, 3]),
+                                            torch.tensor([2, 1]), reduction="none")
+        return x + torch.tanh(h * loss.reshape(-1, 1, 1))
+
+
+@pytest.mark.parametrize("contract", ["check", "strict"])
+def test_ctc_loss_with_unequal_targets_is_exact_under_strict(contract: str) -> None:
+    """OpFlag kUnwrittenBytes (capture/tape.h): strict compared the bytes of ctc_loss's log_alpha, part of which the
+    kernel never writes, and raised a false "diverged" (an adversarial test); check was already exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_CtcBlock(), _CtcBlock())
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8)
+    ref(x).square().mean().backward()
+    sac = tapesac.TapeSAC(model, blocks=list(model), policy="full", contract=contract)
+    try:
+        with sac.step():
+            model(x).square().mean().backward()
+        assert sac.last_step.ops_replayed > 0
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        sac.close()

@@ -465,3 +465,28 @@ def test_a_log_appended_by_two_runs_reports_the_last_run(tapesac, tmp_path) -> N
     rep = tapesac.StepReport.from_jsonl(log)
     assert rep.policy == "full" and rep.steps == 3, (rep.policy, rep.steps)
     assert rep.peaks == live["full"].peaks and rep.median_step_ms == live["full"].median_step_ms
+
+
+def test_a_log_whose_last_line_was_cut_reports_the_lines_before(tapesac, tmp_path, caplog) -> None:
+    """A run killed while writing leaves its last record cut off (no newline): the whole log was refused ("not a JSON
+    line", an adversarial test). The cut line is skipped with a warning; a bad line elsewhere is still refused."""
+    import logging
+
+    model = _qwen()
+    log = tmp_path / "killed.jsonl"
+    sac = tapesac.TapeSAC(model, policy="full", log=log)
+    for _ in range(3):
+        with sac.step():
+            _lm_step(model, _tokens())
+        model.zero_grad(set_to_none=True)
+    sac.close()
+    whole = log.read_text()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(whole + whole.splitlines()[0][:40])
+    with caplog.at_level(logging.WARNING, logger="tapesac"):
+        rep = tapesac.StepReport.from_jsonl(cut)
+    assert rep.steps == 3 and any("cut off" in r.getMessage() for r in caplog.records)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(whole.splitlines()[0][:40] + "\n" + whole)
+    with pytest.raises(tapesac.ConfigError, match="not a JSON line"):
+        tapesac.StepReport.from_jsonl(bad)

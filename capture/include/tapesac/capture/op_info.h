@@ -51,6 +51,8 @@ struct OpInfo {
   /// fills what empty.out / resize_ allocate with NaN through a fill_ the recorder sees; that fill still counts as
   /// leaving the bytes unset (Note [Bytes no recorded op wrote]).
   bool fill = false;
+  /// Leaves part of its outputs unwritten (OpFlag kUnwrittenBytes): aten::_ctc_loss and the cuDNN variant.
+  bool unwritten_outputs = false;
   /// Argument positions (or -1): dropout probability, train flag, explicit generator.
   int p_arg = -1;
   int train_arg = -1;

@@ -100,6 +100,10 @@ enum OpFlag : uint32_t {
   /// The op allocates or resizes storage without setting its bytes (empty*, empty.out, resize_). See Note [Bytes no
   /// recorded op wrote].
   kUninitialized = 1u << 5,
+  /// The kernel leaves part of its outputs unwritten (aten::_ctc_loss's log_alpha beyond each target's length): their
+  /// bytes differ between runs where nothing reads them, so contract="strict" does not compare them (an adversarial
+  /// test: a false "diverged" on F.ctc_loss with targets of different lengths).
+  kUnwrittenBytes = 1u << 6,
 };
 
 /// Where a tape's OpRecord::duration_ns figures come from (see Note [Op times] in op_timer.h).

@@ -182,36 +182,40 @@ void Runtime::replan_if_needed(int64_t measured, int64_t step) {
   try {
     r = make_plan(d, measured, baseline, measuring, &reason);
   } catch (const Error& e) {
-    if (e.kind() != ErrorKind::kMemoryLimit) throw;
-    // Note [Unmeasured tapes are measured before a refusal]: with one-segment replays the floor of auto is measured
-    // per set of tapes (measured_full_peak); for tapes no step measured (a data-dependent branch, new MoE routing)
-    // only the planner's model says the limit is infeasible, and it overestimates: a limit every step met was
-    // refused at the step where a branch flipped, naming a floor 11% above that step's measured peak (an adversarial
-    // test). Such a step is not refused: the next one measures the least-memory masks, and the limit is judged on
-    // that measurement.
-    const bool unmeasured = !measuring && !fixed_masks_ && !planned_schedules_ && full_step_.has_value() &&
-                            planner_->call_signatures() != full_step_->signatures;
-    if (plan_ || unmeasured) {
-      // Note [Refused with a plan installed]: a loop that catches the MemoryLimitError steps on, and the plan that
-      // ran stayed installed, so each later step ran it again: after the keep-everything probe every step kept
-      // everything, 4.3% over the limit where the least-memory step was 1 byte over (an adversarial test). The next
-      // step runs without a plan, as a measuring step (the least the masks keep), refused again if still over.
-      plan_.reset();
-      session_.set_plans({});
-    }
-    if (!unmeasured) throw;
-    PlanInfo note;
-    note.limit = limit_;
-    note.after_step = step;
-    note.measured_peak_bytes = measured;
-    note.reason = "measuring next (" + d.reason + "): no plan is predicted under the limit for tapes no step measured "
-                  "(" + e.what() + "); the next step measures the least-memory masks before the limit is judged";
-    if (plans_.size() >= kPlansKept) plans_.erase(plans_.begin());
-    plans_.push_back(std::move(note));
+    if (e.kind() != ErrorKind::kMemoryLimit || !measure_instead(e, d, measuring, step, measured)) throw;
     return;
   }
   install_plan(std::move(r), d, reason, step, measured, baseline, step_params_baseline_);
   fallback_plan_ = fallback_made_;
+}
+
+bool Runtime::measure_instead(const Error& refusal, const ReplanDecision& d, bool measuring, int64_t step,
+                              int64_t measured) {
+  // Note [Unmeasured tapes are measured before a refusal]: with one-segment replays the floor of auto is measured
+  // per set of tapes (measured_full_peak); for tapes no step measured (a data-dependent branch, new MoE routing)
+  // only the planner's model says the limit is infeasible, and it overestimates: a limit every step met was
+  // refused at the step where a branch flipped, naming a floor 11% above that step's measured peak (an adversarial
+  // test). Such a step is not refused: the next one measures the least-memory masks, and the limit is judged on
+  // that measurement.
+  const bool unmeasured = !measuring && !fixed_masks_ && !planned_schedules_ && full_step_.has_value() &&
+                          planner_->call_signatures() != full_step_->signatures;
+  if (plan_ || unmeasured) {
+    // Note [Refused with a plan installed]: a loop that catches the MemoryLimitError steps on, and the plan that
+    // ran stayed installed, so each later step ran it again: after the keep-everything probe every step kept
+    // everything, 4.3% over the limit where the least-memory step was 1 byte over (an adversarial test). The next
+    // step runs without a plan, as a measuring step (the least the masks keep), refused again if still over.
+    plan_.reset();
+    session_.set_plans({});
+  }
+  if (!unmeasured) return false;
+  PlanInfo note;
+  note.limit = limit_;
+  note.after_step = step;
+  note.measured_peak_bytes = measured;
+  note.reason = "measuring next (" + d.reason + "): no plan is predicted under the limit for tapes no step measured "
+                "(" + refusal.what() + "); the next step measures the least-memory masks before the limit is judged";
+  remember(std::move(note));
+  return true;
 }
 
 // Note [Top-up] (planner/top_up.h) in the runtime: after a step that ran the plan in use on every call, within the
@@ -298,9 +302,14 @@ void Runtime::adopt(PlanInfo info, int64_t baseline, int64_t params_baseline) {
   plan_ = std::move(info);
   plan_baseline_ = baseline;
   plan_params_baseline_ = params_baseline;
+  PlanInfo kept = *plan_;
+  kept.calls.clear();
+  remember(std::move(kept));
+}
+
+void Runtime::remember(PlanInfo info) {
   if (plans_.size() >= kPlansKept) plans_.erase(plans_.begin());
-  plans_.push_back(*plan_);
-  plans_.back().calls.clear();
+  plans_.push_back(std::move(info));
 }
 
 bool Runtime::probe_keep_all(int64_t measured, const ReplanDecision& d, ReservedPlan* r, std::string* reason) {

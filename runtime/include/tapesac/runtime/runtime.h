@@ -134,6 +134,11 @@ class Runtime {
   /// Makes `info` the plan in use, for a step of `baseline` bytes (`params_baseline` of them the parameters and their
   /// gradients; -1: not known), and adds it to the history.
   void adopt(PlanInfo info, int64_t baseline, int64_t params_baseline);
+  // plans_ (the last kPlansKept) gains `info`.
+  void remember(PlanInfo info);
+  // make_plan refused the limit (`refusal`, kMemoryLimit): drops the installed plan, and returns true when the
+  // refusal is declined because the tapes were never measured (Note [Unmeasured tapes are measured before a refusal]).
+  bool measure_instead(const Error& refusal, const ReplanDecision& d, bool measuring, int64_t step, int64_t measured);
   /// The peak of the last step whose calls all ran without a plan, shifted to `baseline` (the last step's), when the
   /// last step's calls have the same tapes (Note [Measured fallback]); INT64_MAX otherwise.
   int64_t measured_full_peak(int64_t baseline) const;

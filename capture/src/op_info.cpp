@@ -1,10 +1,13 @@
 // Per-operator facts, computed once (see op_info.h).
 #include "tapesac/capture/op_info.h"
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <ATen/core/enum_tag.h>
 
@@ -138,16 +141,50 @@ std::unique_ptr<OpInfo> compute(const c10::OperatorHandle& h) {
     if (args[i].is_out()) info->bytes_unread_arg[i] = true;
   }
   if (!args.empty() && (overwrites_self(ns_name) || reads_meta_of_self(ns_name))) info->bytes_unread_arg[0] = true;
-  // Only dropout-style ops skip drawing when p == 0; bernoulli(p=0) still advances its generator.
+  // Only dropout-style ops may skip drawing when p == 0 (probed then: Recorder::capture_rng); bernoulli(p=0) still
+  // advances its generator.
   const bool dropout_like =
       ns_name.find("dropout") != std::string::npos || ns_name.find("scaled_dot_product") != std::string::npos;
   if (!dropout_like) info->p_arg = -1;
   return info;
 }
 
+// Note [Operators deregistered]. An operator's facts hold its OperatorHandle, which points into the dispatcher's
+// entry for it; a torch.library.Library that goes away (a scoped library in a test, a notebook cell run again)
+// deregisters its operators and that entry is freed. A name registered again must not be answered from the old
+// entry: a dispatcher listener counts deregistrations (op_registry_epoch()), and an entry computed in an earlier
+// epoch is computed again. The old facts are kept, never freed, as their pointers may still be held (a recording
+// in progress, a thread's cache keyed by schema-name address: Recorder::start() empties it when the epoch moved).
+std::atomic<uint64_t> g_registry_epoch{0};
+
+class DeregistrationCounter final : public c10::OpRegistrationListener {
+ public:
+  // Called with the dispatcher's lock held: nothing here may dispatch or take a lock.
+  void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {}
+  void onOperatorDeregistered(const c10::OperatorHandle& /*op*/) override {
+    g_registry_epoch.fetch_add(1, std::memory_order_acq_rel);
+  }
+};
+
+void listen_for_deregistrations() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Held for the process (leaked on purpose, as the cache below).
+    static auto* handle = new c10::RegistrationHandleRAII(
+        c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<DeregistrationCounter>()));
+    (void)handle;
+  });
+}
+
+struct Entry {
+  std::unique_ptr<OpInfo> info;
+  uint64_t epoch = 0;
+};
+
 struct Cache {
   std::mutex mu;
-  std::unordered_map<c10::OperatorName, std::unique_ptr<OpInfo>> by_name;
+  std::unordered_map<c10::OperatorName, Entry> by_name;
+  std::vector<std::unique_ptr<OpInfo>> superseded;  // Note [Operators deregistered]
 };
 
 Cache& cache() {
@@ -157,16 +194,27 @@ Cache& cache() {
 
 }  // namespace
 
+uint64_t op_registry_epoch() {
+  listen_for_deregistrations();
+  return g_registry_epoch.load(std::memory_order_acquire);
+}
+
 const OpInfo* op_info(const c10::OperatorName& name) {
+  const uint64_t epoch = op_registry_epoch();
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   auto it = c.by_name.find(name);
-  if (it != c.by_name.end()) return it->second.get();
+  if (it != c.by_name.end() && it->second.epoch == epoch) return it->second.info.get();
   auto handle = c10::Dispatcher::singleton().findOp(name);
   if (!handle.has_value()) return nullptr;
   auto info = compute(*handle);
   const OpInfo* raw = info.get();
-  c.by_name.emplace(name, std::move(info));
+  if (it != c.by_name.end()) {
+    c.superseded.push_back(std::move(it->second.info));
+    it->second = Entry{std::move(info), epoch};
+  } else {
+    c.by_name.emplace(name, Entry{std::move(info), epoch});
+  }
   return raw;
 }
 

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
+#include <unordered_map>
 
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,6 +36,28 @@ struct SpareIdentity {
   RecorderIdentity id;
 };
 thread_local SpareIdentity t_spare;
+
+// Note [Recorder tables reused]. The tape's tables and the payloads grow with the block (a 200-op block: ~150 KiB
+// in three allocations of 30-90 KiB) and lived as long as the block call, so every block call made and freed them;
+// on glibc each allocation or free that size consolidates the fast bins, and the whole heap's small allocations
+// got slower after it (callgrind on bench_record's 200 tiny ops: the same torch allocations cost 1.5-2x the
+// instructions they cost in a plain forward). A recorder's destructor and clear() hand the emptied tables to the
+// thread's next recording instead (one spare per thread; a recorder destroyed on another thread, as a CUDA
+// backward's, fills that thread's spare).
+struct SpareTables {
+  bool filled = false;
+  Tape tape;
+  std::vector<OpPayload> payloads;
+};
+thread_local SpareTables t_spare_tables;
+
+// Schema-name address -> OpInfo, per thread and kept across recordings (a recording looked each operator up again
+// under op_info()'s lock); emptied when an operator was deregistered since (Note [Operators deregistered]).
+struct InfoByName {
+  uint64_t epoch = UINT64_MAX;
+  std::unordered_map<const char*, const OpInfo*> map;
+};
+thread_local InfoByName t_info_by_name;
 
 bool contains_tensor(const c10::IValue& v) {
   if (v.isTensor()) return v.toTensor().defined();
@@ -132,7 +155,20 @@ TensorMeta meta_of(const at::Tensor& t) {
 
 Recorder::Recorder(RecorderOptions options) : options_(options) {}
 
-Recorder::~Recorder() { stop(); }
+Recorder::~Recorder() {
+  stop();
+  recycle_tables();
+}
+
+void Recorder::recycle_tables() noexcept {
+  payloads_.clear();
+  tape_.clear();
+  if (!t_spare_tables.filled) {  // Note [Recorder tables reused]
+    std::swap(tape_, t_spare_tables.tape);
+    std::swap(payloads_, t_spare_tables.payloads);
+    t_spare_tables.filled = true;
+  }
+}
 
 Recorder* Recorder::current() { return t_current; }
 
@@ -148,6 +184,15 @@ void Recorder::start() {
   if (t_spare.filled) {  // Note [Recorder scratch reused]
     std::swap(id_, t_spare.id);
     t_spare.filled = false;
+  }
+  if (t_spare_tables.filled && tape_.ops().empty() && tape_.values().empty() && payloads_.empty()) {
+    std::swap(tape_, t_spare_tables.tape);  // Note [Recorder tables reused]
+    std::swap(payloads_, t_spare_tables.payloads);
+    t_spare_tables.filled = false;
+  }
+  if (const uint64_t epoch = op_registry_epoch(); t_info_by_name.epoch != epoch) {
+    t_info_by_name.map.clear();
+    t_info_by_name.epoch = epoch;
   }
   const size_t n = std::max<size_t>(options_.expected_ops, 16);
   tape_.reserve(n, 3 * n, 2 * n);
@@ -243,8 +288,7 @@ void Recorder::stop() noexcept {
 
 void Recorder::clear() noexcept {
   stop();
-  tape_ = Tape();
-  payloads_.clear();
+  recycle_tables();
   live_.clear();
   origins_.clear();
   opaque_.clear();
@@ -341,13 +385,14 @@ const OpInfo* Recorder::should_record(const CallView& call) {
   }
   const char* name = call.name;
   const OpInfo* info = nullptr;
-  auto it = info_by_name_.find(name);
-  if (it != info_by_name_.end()) {
+  auto& by_name = t_info_by_name.map;
+  auto it = by_name.find(name);
+  if (it != by_name.end()) {
     info = it->second;
   } else {
     auto op_name = call.operator_name();
     info = op_name.has_value() ? op_info(*op_name) : nullptr;
-    info_by_name_.emplace(name, info);
+    by_name.emplace(name, info);
   }
   if (info == nullptr) return nullptr;
   bool cuda = false;
@@ -600,18 +645,24 @@ void Recorder::capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs) {
   auto arg = [&](int i) -> const c10::IValue* {
     return (i >= 0 && static_cast<size_t>(i) < inputs.size()) ? &inputs[static_cast<size_t>(i)] : nullptr;
   };
-  if (const c10::IValue* p = arg(info.p_arg); p != nullptr && p->isDouble() && p->toDouble() == 0.0) return;
   if (const c10::IValue* tr = arg(info.train_arg); tr != nullptr && tr->isBool() && !tr->toBool()) return;
+  // A dropout with p == 0 usually draws nothing, but not always (aten::native_dropout in training on CPU runs
+  // bernoulli_(1.0), which draws: a helper's finding, the generator moved again at replay). It is probed as a custom
+  // op is (Note [Random numbers drawn below a custom op]): a random op only if the call moved its generator.
+  const c10::IValue* p = arg(info.p_arg);
+  const bool probe = p != nullptr && p->isDouble() && p->toDouble() == 0.0;
   std::optional<at::Generator> gen;
   if (const c10::IValue* g = arg(info.generator_arg); g != nullptr && g->isGenerator()) gen = g->toGenerator();
   if (!gen.has_value()) gen = default_generator_for(inputs);
   if (!gen.has_value() || !gen->defined()) {
-    f.non_replayable = true;  // a random op whose generator we cannot restore must not be replayed
+    // A random op whose generator we cannot restore must not be replayed (a p == 0 one that may draw neither).
+    f.non_replayable = true;
     return;
   }
   std::lock_guard<std::mutex> lock(gen->mutex());
   f.generator_state = gen->unsafeGetGeneratorImpl()->get_state();
   f.generator = std::move(gen);
+  f.rng_probe = probe;
 }
 
 // Note [Random numbers drawn below a custom op]

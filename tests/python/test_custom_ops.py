@@ -194,3 +194,60 @@ def test_a_custom_op_that_draws_nothing_leaves_the_generator_alone_at_replay() -
         assert sac.last_step.ops_replayed > 0
     finally:
         sac.close()
+
+
+class _Reregistered(nn.Module):
+    """Calls tapesac_rereg::f, whatever the scoped library defining it is at the time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.tanh(torch.ops.tapesac_rereg.f(self.fc(x))) + x
+
+
+def _define_f(lib, scale: float) -> None:
+    lib.define("f(Tensor x) -> Tensor")
+    lib.impl("f", lambda x: x * scale + 1.0, "CPU")
+
+    def setup(ctx, inputs, output):
+        pass
+
+    torch.library.register_autograd("tapesac_rereg::f", lambda ctx, g: g * scale, setup_context=setup, lib=lib)
+
+
+def test_an_operator_registered_again_is_replayed_as_the_new_one() -> None:
+    """Note [Operators deregistered] (op_info.cpp): a library that goes away takes its operators' dispatcher entries
+    with it; the same name registered again (a notebook cell run twice, a scoped library per test) must be
+    recorded and replayed as the new operator, never through the facts (and the freed handle) of the old one."""
+    import tapesac
+
+    for scale in (2.0, -3.0):
+        with torch.library._scoped_library("tapesac_rereg", "DEF") as lib:
+            _define_f(lib, scale)
+            reference_check(_Reregistered, _inputs, "full", lambda m: [m], steps=2, expect_replay=True)
+    assert tapesac is not None
+
+
+class _NativeDropoutAtZero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        h, _ = torch.native_dropout(torch.tanh(self.fc(x)), 0.0, True)
+        return self.out(h * h) + x
+
+
+@pytest.mark.parametrize("backend", ["eager", "emulated_graph"])
+def test_native_dropout_at_p_zero_draws_and_is_replayed_from_its_state(backend: str) -> None:
+    """aten::native_dropout with p=0 in training draws from the CPU generator (bernoulli_ at 1.0) although it keeps
+    every element: it is probed like a custom op (a helper's finding: a skipped p=0 replayed as deterministic moved
+    the generator in the backward). The reference compares the RNG state after each step."""
+    s = torch.get_rng_state()
+    torch.native_dropout(torch.ones(3), 0.0, True)
+    assert not torch.equal(s, torch.get_rng_state()), "the premise: native_dropout(p=0, train) draws on CPU"
+    reference_check(_NativeDropoutAtZero, _inputs, "full", lambda m: [m], steps=2, expect_replay=True,
+                    sac_kwargs={"backend": backend})

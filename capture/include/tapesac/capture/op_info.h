@@ -3,6 +3,7 @@
 // whether it draws random numbers. Thread-safe; entries live for the process.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -64,5 +65,8 @@ struct OpInfo {
 /// The cached facts for an operator, by name ("aten::add", overload "Tensor"). Returns nullptr when no such
 /// operator is registered.
 const OpInfo* op_info(const c10::OperatorName& name);
+/// Counts operator deregistrations in the process (Note [Operators deregistered], op_info.cpp): facts looked up
+/// in an earlier epoch may belong to an operator that no longer exists.
+uint64_t op_registry_epoch();
 
 }  // namespace tapesac::capture

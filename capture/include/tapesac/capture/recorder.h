@@ -224,6 +224,9 @@ class Recorder : private CallObserver {
   void capture_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs);
   void probe_rng(Frame& f, c10::ArrayRef<c10::IValue> inputs);
   static void settle_rng_probe(Frame& f);
+  /// Empties the tape and the payloads and gives their tables to the thread's next recording (Note [Recorder
+  /// tables reused] in recorder.cpp).
+  void recycle_tables() noexcept;
   /// The op timer threw or gave unusable figures: cancel it, keep the CPU clock, remember why.
   void drop_timer(const std::string& why) noexcept;
   /// Recording stops: the timer's figures replace the tape's durations (or the timer is dropped).
@@ -258,8 +261,6 @@ class Recorder : private CallObserver {
   std::string error_;
   std::unique_ptr<OpTimer> timer_;  // null: CPU clock only
   std::string timing_note_;
-  // Per-thread cache from RecordFunction::name() (stable per schema) to OpInfo.
-  std::unordered_map<const char*, const OpInfo*> info_by_name_;
 };
 
 /// TensorMeta of `t`.

@@ -149,6 +149,13 @@ class Tape {
     values_.reserve(values);
     storages_.reserve(storages);
   }
+  /// Empties the tape, keeping its tables' capacity (a recycled tape: Note [Recorder tables reused], recorder.cpp).
+  void clear() {
+    ops_.clear();
+    values_.clear();
+    storages_.clear();
+    op_timing_ = OpTiming::kUntimed;
+  }
   StorageId add_storage(bool external, int64_t nbytes);
   /// Registers a value that no tape op produced (block input, parameter, buffer, captured tensor).
   ValueId add_external_value(StorageId storage, TensorMeta meta);

@@ -49,6 +49,9 @@ void bind_capture(py::module_& m) {
         }
       },
       py::arg("name"), "Sets recorder_hook() (tests and diagnostics).");
+  m.def(
+      "dispatch_hook_key", [] { return static_cast<int>(capture::dispatch_hook::kKey); },
+      "The dispatch key the hook is registered on, as an integer (torch._C.DispatchKey(value) in Python).");
   m.def("dispatch_hook_available", &capture::dispatch_hook::available,
         "True when the dispatch hook could be registered (Note [Dispatch hook]).");
 }

@@ -23,6 +23,9 @@ def _check_saved_hooks_env() -> None:
 
 _check_saved_hooks_env()
 from . import _C  # noqa: E402
+from .higher_order import let_higher_order_ops_through as _let_higher_order_ops_through  # noqa: E402
+
+_let_higher_order_ops_through()
 from .config import Approx, Config
 from .core import TapeSAC, record_ops
 from .stats import BlockStats, StepStats

@@ -121,9 +121,11 @@ class _GradWatch:
 
 
 def _watch(owner: "Conflicts", name: str, block: nn.Module) -> Any:
-    """The watch hook's handle on `block`'s first trainable parameter; None when it has none."""
+    """The watch hook's handle on `block`'s first trainable parameter; None when it has none. A lazy module's
+    parameters (nn.LazyLinear before its first forward) take no hook: torch raised a ValueError for them from
+    TapeSAC(...) (a helper's finding); such a block is watched once they exist (Conflicts.after_step)."""
     for p in block.parameters():
-        if p.requires_grad and p.is_leaf:
+        if p.requires_grad and p.is_leaf and not nn.parameter.is_lazy(p):
             return p.register_post_accumulate_grad_hook(_GradWatch(owner, name))
     return None
 
@@ -185,7 +187,18 @@ class Conflicts:
         self._steps = 0
         self._step_handles: list[Any] = []
         self._watched = False  # the watch warned: its hooks go at the next step (not from inside the backward)
-        self._handles: list[Any] = [h for h in (_watch(self, name, m) for name, m in self._blocks) if h is not None]
+        self._handles: list[Any] = []
+        self._unwatched: list[tuple[str, nn.Module]] = []  # no initialised trainable parameter yet (lazy modules)
+        try:
+            for name, m in self._blocks:
+                h = _watch(self, name, m)
+                if h is not None:
+                    self._handles.append(h)
+                elif any(nn.parameter.is_lazy(p) for p in m.parameters()):
+                    self._unwatched.append((name, m))
+        except BaseException:
+            remove_handles(self._handles)  # nothing left behind by a constructor that fails
+            raise
 
     # -- at construction ------------------------------------------------------------------------------------------
     def _check_compiled_blocks(self) -> None:
@@ -282,6 +295,8 @@ class Conflicts:
         self.in_step = False
         self._steps += 1
         remove_handles(self._step_handles)
+        if self._unwatched and not self._watched:
+            self._watch_initialised()
         if stats is None or self._step_warned:
             return
         if stats.block_calls == 0:
@@ -299,6 +314,17 @@ class Conflicts:
                 f"tensors its blocks saved were made by code the recorder cannot see (opaque: kept). Usual causes: "
                 f"the model or the blocks run compiled (torch.compile: fused kernels; compile submodules inside the "
                 f"blocks instead), or custom kernels (Triton, CUDA extensions) make the blocks' activations."))
+
+    def _watch_initialised(self) -> None:
+        """Watches the lazy blocks whose parameters the step initialised."""
+        still = []
+        for name, m in self._unwatched:
+            h = _watch(self, name, m)
+            if h is not None:
+                self._handles.append(h)
+            elif any(nn.parameter.is_lazy(p) for p in m.parameters()):
+                still.append((name, m))
+        self._unwatched = still
 
     # -- closing --------------------------------------------------------------------------------------------------
     def handle_lists(self) -> tuple[list[Any], list[Any]]:

@@ -321,11 +321,34 @@ std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<ui
 }
 
 std::string host_tensor_read(const capture::Tape& tape, const std::vector<OpIndex>& graph_ops,
-                             c10::DeviceType graph_device) {
+                             std::optional<c10::DeviceType> bound, int device_index) {
   for (OpIndex i : graph_ops) {
+    // meta_of() records strides for strided tensors only. A sparse input crashed the capture's static buffers with
+    // torch's untyped error in the backward, every step (a helper's finding, emulated graph; the CUDA path shares it).
+    auto non_strided = [&](ValueId v, const char* how) {
+      return "op #" + std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind) + " " + how + " v" +
+             std::to_string(v) + " (" + describe_value(tape, v) +
+             "), a tensor without strides (sparse or another non-strided layout), which a graph's static buffers "
+             "cannot hold";
+    };
+    for (ValueId v : tape.op(i).outputs) {
+      if (v >= 0 && tape.value(v).meta.strides.size() != tape.value(v).meta.sizes.size()) return non_strided(v, "makes");
+    }
     for (const ArgRef& a : tape.op(i).inputs) {
       const capture::TensorMeta& m = tape.value(a.value).meta;
-      if (static_cast<c10::DeviceType>(m.device_type) == graph_device) continue;
+      if (m.strides.size() != m.sizes.size()) return non_strided(a.value, "reads");
+      if (!bound.has_value()) continue;
+      const c10::DeviceType graph_device = *bound;
+      if (static_cast<c10::DeviceType>(m.device_type) == graph_device &&
+          (device_index < 0 || m.device_index == device_index)) {
+        continue;
+      }
+      if (static_cast<c10::DeviceType>(m.device_type) == graph_device) {
+        return "op #" + std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind) + " reads v" +
+               std::to_string(a.value) + " (" + describe_value(tape, a.value) + ", on " + device_of(m).str() +
+               "); the graph is captured on " + c10::Device(graph_device, static_cast<c10::DeviceIndex>(device_index)).str() +
+               ", whose stream would not see that device's kernels";
+      }
       return "op #" + std::to_string(i) + " " + capture::op_kind_name(tape.op(i).kind) + " reads v" +
              std::to_string(a.value) + " (" + describe_value(tape, a.value) + (m.sizes.empty() ? ", a 0-dim" : ", a") +
              " tensor on " + device_of(m).str() + "); a " + c10::DeviceTypeName(graph_device, true) +
@@ -713,13 +736,11 @@ bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIn
                          const std::vector<uint8_t>& capture_live, GraphReplayOutcome& out) {
   const capture::Tape& tape = *call.tape;
   e.bytes = capture_bytes(tape, graph_ops, capture_live);  // pending until captured (pending_bytes)
-  if (const auto bound = device_->graph_device_type()) {
-    std::string host = host_tensor_read(tape, graph_ops, *bound);
-    if (!host.empty()) {
-      e.failed = GraphFallback::kHostTensors;
-      e.failed_detail = std::move(host);
-      return refuse(out, e.failed, e.failed_detail);
-    }
+  std::string host = host_tensor_read(tape, graph_ops, device_->graph_device_type(), device_->graph_device_index());
+  if (!host.empty()) {
+    e.failed = GraphFallback::kHostTensors;
+    e.failed_detail = std::move(host);
+    return refuse(out, e.failed, e.failed_detail);
   }
   if (!ready_to_capture(e, call, out)) return false;
   const std::vector<at::Tensor> inputs = static_inputs(tape, capture_live);
@@ -730,6 +751,19 @@ bool GraphCache::capture(Entry& e, const GraphCall& call, const std::vector<OpIn
     e.failed = GraphFallback::kCaptureInvalidated;
     e.failed_detail = "capture failed: " + error;
     return refuse(out, e.failed, e.failed_detail);
+  }
+  const std::vector<capture::NodeKind>& kinds = exec->topology().kinds;
+  if (std::all_of(kinds.begin(), kinds.end(), [](capture::NodeKind k) { return k == capture::NodeKind::kEmpty; })) {
+    // Ops that compute (not views only) and a graph without a node: their work went elsewhere (another device's
+    // stream, which a capture does not see: GraphDevice::graph_device_index()); every launch would do nothing.
+    for (OpIndex i : graph_ops) {
+      if (!tape.op(i).has(capture::kView)) {
+        e.failed = GraphFallback::kCaptureInvalidated;
+        e.failed_detail = "the capture recorded no work for op #" + std::to_string(i) + " " +
+                          capture::op_kind_name(tape.op(i).kind) + " (its kernels ran outside the capture stream)";
+        return refuse(out, e.failed, e.failed_detail);
+      }
+    }
   }
   const GraphVerdict verdict = check_capturable(exec->topology());
   if (!verdict.ok()) {

@@ -189,8 +189,14 @@ class OverheadDevice final : public capture::GraphDevice {
 };
 
 /// One replay of a two-op tape (x -> relu -> neg) on `cache`: the targets are the last value.
-GraphReplayOutcome replay_once(GraphCache& cache, TapeBuilder& b, uint64_t signature = 7) {
+/// `with_ops`: the payloads name each op's operator (a capture run that executes the ops needs them).
+GraphReplayOutcome replay_once(GraphCache& cache, TapeBuilder& b, uint64_t signature = 7, bool with_ops = false) {
   std::vector<capture::OpPayload> payloads(b.tape.ops().size());
+  for (size_t i = 0; with_ops && i < payloads.size(); ++i) {
+    payloads[i].handle = c10::Dispatcher::singleton().findSchemaOrThrow(
+        capture::op_kind_name(b.tape.ops()[i].kind).c_str(), "");
+    payloads[i].args.emplace_back();  // unary ops (relu, neg): the tensor slot is empty
+  }
   std::vector<at::Tensor> live(b.tape.values().size());
   live[0] = at::zeros({16});
   const std::vector<uint8_t> available = b.keep({});
@@ -279,6 +285,79 @@ TEST(GraphDevices, OutputsOverFreedScratchAreUnstageable) {
   over = values_over_freed(b.tape, all_ops(b.tape), env, {{at_of(y) - 16, 16}});
   EXPECT_EQ(over[static_cast<size_t>(y)], 0);
   EXPECT_EQ(values_over_freed(b.tape, all_ops(b.tape), env, {}), std::vector<uint8_t>(b.tape.values().size(), 0));
+}
+
+
+// Reviewer's finding (GPU, not run): a block whose ops run on another CUDA device than the capture stream's executes
+// them there, uncaptured, and the graph comes out empty; every launch then did nothing and handed out the static
+// buffers. Such a key is refused before its capture, and a capture without work is refused after it.
+TEST(GraphDevices, ACapturedOpOnAnotherDeviceIndexRefusesTheKey) {
+  TapeBuilder b;
+  TensorMeta on1 = meta_on(c10::DeviceType::CUDA, {16});
+  on1.device_index = 1;
+  const ValueId x = ext_on(b, on1);
+  b.op("aten::relu", {x});
+  EXPECT_EQ(host_tensor_read(b.tape, {0}, c10::DeviceType::CUDA, 1), "");
+  EXPECT_EQ(host_tensor_read(b.tape, {0}, c10::DeviceType::CUDA, -1), "");
+  const std::string why = host_tensor_read(b.tape, {0}, c10::DeviceType::CUDA, 0);
+  EXPECT_NE(why.find("on cuda:1"), std::string::npos) << why;
+  EXPECT_NE(why.find("captured on cuda:0"), std::string::npos) << why;
+}
+
+// A helper's finding: a sparse block input crashed the emulated graph's static buffers with torch's untyped error in
+// the backward, every step. Values without strides (meta_of records none for a non-strided layout) are refused,
+// read or made by a captured op, whatever the graph's device.
+TEST(GraphDevices, AValueWithoutStridesRefusesTheKey) {
+  TapeBuilder b;
+  TensorMeta sparse = meta_on(c10::DeviceType::CPU, {4, 4});
+  sparse.strides = capture::SmallDims();
+  const ValueId s = ext_on(b, sparse);
+  b.op("aten::relu", {b.ext()});
+  b.op("aten::mm", {s, b.ext()});
+  EXPECT_EQ(host_tensor_read(b.tape, {0}, std::nullopt), "");
+  const std::string why = host_tensor_read(b.tape, {1}, std::nullopt);
+  EXPECT_NE(why.find("without strides"), std::string::npos) << why;
+  EXPECT_NE(why.find("reads v" + std::to_string(s)), std::string::npos) << why;
+  EXPECT_NE(host_tensor_read(b.tape, {1}, c10::DeviceType::CPU).find("without strides"), std::string::npos);
+}
+
+/// A graph without nodes: what a capture returns when the block's kernels ran on another stream.
+class NoNodesExec final : public capture::ExecGraph {
+ public:
+  const capture::GraphTopology& topology() const override { return topo_; }
+  void set_enabled(NodeId, bool) override { throw std::invalid_argument("no nodes"); }
+  bool enabled(NodeId) const override { return false; }
+  void launch() override {}
+
+ private:
+  capture::GraphTopology topo_;
+};
+
+class NoWorkDevice final : public capture::GraphDevice {
+ public:
+  const char* name() const override { return "no_work"; }
+  bool capture_executes() const override { return true; }
+  void begin_capture() override {}
+  void after_op(OpIndex, const torch::jit::Stack&, const std::vector<at::Tensor>&) override {}
+  std::unique_ptr<capture::ExecGraph> end_capture(std::string*) override { return std::make_unique<NoNodesExec>(); }
+  void abort_capture() noexcept override {}
+  std::string before_launch(capture::ExecGraph&, const std::vector<OpIndex>&, const std::vector<capture::OpPayload>&,
+                            const std::vector<capture::OpPayload>&) override {
+    return "";
+  }
+  void after_launch(capture::ExecGraph&) noexcept override {}
+  void stage(const at::Tensor&, const at::Tensor&) override {}
+};
+
+TEST(GraphDevices, ACaptureThatRecordedNoWorkIsRefused) {
+  TapeBuilder b;
+  b.op("aten::neg", {b.op("aten::relu", {b.ext()})});
+  GraphCache cache(std::make_shared<NoWorkDevice>(), GraphOptions{});
+  GraphReplayOutcome out = replay_once(cache, b, 7, /*with_ops=*/true);
+  for (int i = 0; i < 8 && out.warmup; ++i) out = replay_once(cache, b, 7, /*with_ops=*/true);
+  EXPECT_FALSE(out.captured);
+  EXPECT_EQ(out.reason, GraphFallback::kCaptureInvalidated);
+  EXPECT_NE(out.detail.find("recorded no work"), std::string::npos) << out.detail << " / reason " << to_string(out.reason);
 }
 
 }  // namespace

@@ -78,6 +78,11 @@ class GraphDevice {
   /// op as it is, on any device (the emulation's default). A graph bound to a device type is captured only when
   /// every captured op reads and makes tensors there (Note [Host tensors under capture], replay/graph_block.h).
   virtual std::optional<c10::DeviceType> graph_device_type() const { return std::nullopt; }
+  /// The index of the device the graph is captured on (CUDA: the capture stream's device), or -1 when any index of
+  /// graph_device_type() will do (the emulation). Stream capture is per stream: the ops of a block that runs on
+  /// another CUDA device would execute on that device's current stream, uncaptured, and the graph would come out
+  /// empty (a reviewer's finding), so a key whose captured ops read another index is refused like a host tensor.
+  virtual int graph_device_index() const { return -1; }
   /// Bytes the device holds for capturing at all, once, whatever the number of graphs (CUDA: the cuBLAS workspace
   /// of its capture stream); the graph cache counts them in its static bytes.
   virtual int64_t capture_overhead_bytes() const { return 0; }

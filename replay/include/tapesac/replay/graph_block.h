@@ -130,10 +130,13 @@ struct GraphReplayOutcome {
 std::vector<uint8_t> tainted_ops(const capture::Tape& tape, const std::vector<uint8_t>& available,
                                  std::vector<uint8_t>* capture_live);
 
-/// Why `graph_ops` must not be captured into a graph bound to `graph_device` (Note [Host tensors under capture]):
-/// a captured op reads a value the forward had on another device type. "" when none does.
+/// Why `graph_ops` must not be captured into a graph bound to `graph_device` (none: the emulation's default, any
+/// device) (Note [Host tensors under capture]):
+/// a captured op reads a value the forward had on another device type, or on another index of it than
+/// `device_index` (-1: any index; GraphDevice::graph_device_index()), or a value that is not a strided tensor
+/// (sparse, mkldnn: a capture's static inputs are strided buffers). "" when none does.
 std::string host_tensor_read(const capture::Tape& tape, const std::vector<capture::OpIndex>& graph_ops,
-                             c10::DeviceType graph_device);
+                             std::optional<c10::DeviceType> graph_device, int device_index = -1);
 
 /// Compares the tensors a capture run made (`env`, by ValueId) for the outputs of `graph_ops` with the forward's
 /// metadata (Note [Host tensors under capture]). "" when the graph may be used; then `copy_out` (by ValueId) holds

@@ -51,6 +51,7 @@ class CudaGraphDevice final : public capture::GraphDevice {
 
   const char* name() const override { return "cuda_graph"; }
   std::optional<c10::DeviceType> graph_device_type() const override { return c10::DeviceType::CUDA; }
+  int graph_device_index() const override { return device_; }
   /// The cuBLAS workspace of this device's capture stream (capture_workspace_bytes()).
   int64_t capture_overhead_bytes() const override;
   /// What the allocator freed on this device during the last capture (GraphCapture::freed()).

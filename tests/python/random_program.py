@@ -332,6 +332,20 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 _rp_scale.register_autograd(lambda ctx, g: g * 1.5)
 CUSTOM_OPS = ("noise", "noisy", "plain")
+# Program._with_session8_ops
+SESSION8_OPS = ("native_dropout_zero", "cond_branch", "sparse_mix")
+_SPARSE_MIX: dict[int, torch.Tensor] = {}
+
+
+def _sparse_mix(t: int) -> torch.Tensor:
+    """A fixed sparse (t, t) matrix: each position mixes itself and its predecessor."""
+    if t not in _SPARSE_MIX:
+        rows = torch.arange(t).repeat(2)
+        cols = torch.cat([torch.arange(t), (torch.arange(t) - 1) % t])
+        vals = torch.cat([torch.full((t,), 0.75), torch.full((t,), 0.25)])
+        _SPARSE_MIX[t] = torch.sparse_coo_tensor(torch.stack([rows, cols]), vals, (t, t),
+                                                 check_invariants=False).coalesce()
+    return _SPARSE_MIX[t]
 # Seeds pinned by regression tests of test_random_programs.py (found by earlier runs; their docstrings describe those
 # programs): a family added later leaves them as they were (Program._with_custom_ops).
 PINNED_SEEDS = frozenset({
@@ -487,7 +501,7 @@ class Program:
         return (program._with_issue18_families()._with_issue19_schedules()._with_issue20_warmup()
                 ._with_input_writes()._with_batched_backward()._with_double_backward()._with_saved_data_writes()
                 ._with_entry_writes()._with_data_replacements()._with_refills()._with_retries()._with_self_calls()
-                ._with_module_hooks()._with_custom_ops())
+                ._with_module_hooks()._with_custom_ops()._with_session8_ops())
 
     def _with_issue18_families(self) -> "Program":
         """Issue 18's families, from their own RNG (the programs above are unchanged but for inserted ops)."""
@@ -676,6 +690,25 @@ class Program:
             ops = list(ops)
             if rng.random() < 0.1:
                 ops.insert(rng.randint(2, len(ops)), OpSpec("custom_op", k=rng.randrange(len(CUSTOM_OPS))))
+            blocks.append(tuple(ops))
+        return dataclasses.replace(self, blocks=tuple(blocks))
+
+    def _with_session8_ops(self) -> "Program":
+        """One of SESSION8_OPS inserted after a block's first two ops (from its own RNG), each a family helpers found
+        failing on 2026-12-07: `native_dropout` at p=0 in training draws from the generator although it keeps every
+        element (replayed as deterministic, it moved the generator in the backward); `torch.cond`, a Python
+        higher-order operator (torch's untyped "could not find kernel" under the dispatch hook); a sparse matrix read
+        by the block (the graph backend's static buffers crashed on it)."""
+        # Plain PyTorch runs neither under vmap (a batched backward: torch.cond's and sparse mm's backward have no
+        # batching rule) nor sparse mm's double backward.
+        if self.seed in PINNED_SEEDS or self.step in (BATCHED_SHAPE, DOUBLE_SHAPE):
+            return self
+        rng = random.Random(f"session8-{self.seed}")
+        blocks = []
+        for ops in self.blocks:
+            ops = list(ops)
+            if rng.random() < 0.08:
+                ops.insert(rng.randint(2, len(ops)), OpSpec(rng.choice(SESSION8_OPS)))
             blocks.append(tuple(ops))
         return dataclasses.replace(self, blocks=tuple(blocks))
 
@@ -1039,6 +1072,13 @@ def _apply(blk: RandomBlock, key: str, i: int, op: OpSpec, h: torch.Tensor, pool
         if which == "noisy":
             return torch.ops.tapesac_rp.noisy(h)[0] + h * 0.25
         return torch.tanh(torch.ops.tapesac_rp.scale(h))
+    if kind == "native_dropout_zero":  # keeps every element, yet draws on CPU in training
+        return torch.native_dropout(h, 0.0, blk.training)[0] * 1.25
+    if kind == "cond_branch":
+        return torch.cond(h.sum() > 0, lambda u: torch.sin(u) * u, lambda u: torch.cos(u) * u, (h,))
+    if kind == "sparse_mix":
+        adj = _sparse_mix(h.shape[1]).to(h.dtype)
+        return torch.stack([torch.sparse.mm(adj, h[i]) for i in range(h.shape[0])]).tanh() + h * 0.5
     if kind == "clone_contig_inplace":
         t = h.transpose(1, 2).clone(memory_format=torch.contiguous_format)
         t.mul_(1.5)

@@ -123,6 +123,10 @@ void BlockCall::release(int32_t slot) noexcept {
   Slot& s = slots_[static_cast<size_t>(slot)];
   if (s.released) return;
   s.released = true;
+  if (s.unpacked && ctx_.unpack_clock != nullptr) {  // Note [A graph held through its backward]
+    first_served_release_at_ =
+        std::min(first_served_release_at_, ctx_.unpack_clock->load(std::memory_order_relaxed));
+  }
   s.tensor.reset();
   if (s.dropped) {
     const ValueId v = s.value;
@@ -604,6 +608,18 @@ void BlockCall::note_second_backward_locked() {
     if (weak.lock() && !cache_.count(value) && !held_.count(value)) rebuilt_alive_at_second_.push_back(value);
   }
   rebuilt_first_round_.clear();
+}
+
+// Note [A graph held through its backward]. Autograd frees a node's saved tensors right after the node ran, unless
+// the backward retains the graph (retain_graph=True): then every saved tensor stays until the graph goes, after the
+// backward. The planner's windows counted a call's kept bytes as freed once its backward had run, so with one
+// `backward(retain_graph=True)` per step (and no second backward, which the unpack counts show) auto's plans were
+// over the limit in the backward and refused there, on every step (a helper's finding). A call shows it: none of
+// the slots it served was released before the step's later unpacks (other calls') happened; the planner then
+// counts every call's kept bytes in every backward window (StepExtras::retained, planner/peak_model.h).
+bool BlockCall::held_through_backward(int64_t final_unpacks) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_unpack_at_ >= 0 && last_unpack_at_ < final_unpacks && first_served_release_at_ >= final_unpacks;
 }
 
 DroppedLiveness BlockCall::liveness() const {

@@ -28,6 +28,8 @@ at::Tensor BlockCall::unpack(int32_t slot) {
   begin_backward();
   contract_.check_saved(s.version, s.saved_version, slot, s.value);
   ++closed_stats_.unpacks;
+  slots_[static_cast<size_t>(slot)].unpacked = true;
+  if (ctx_.unpack_clock != nullptr) last_unpack_at_ = ctx_.unpack_clock->fetch_add(1, std::memory_order_relaxed) + 1;
   if (!s.dropped) return serve_kept(slot);
   const ValueId v = s.value;
   note_unpack(v);

@@ -54,6 +54,7 @@ void Session::begin_step(const std::vector<at::Tensor>& params) {
     watcher_->install();
   }
   in_step_ = true;
+  unpack_clock_.store(0, std::memory_order_relaxed);
   backward_started_ = false;
   second_backward_started_ = false;
   if (!second_backward_starts_) {
@@ -140,6 +141,7 @@ BlockContext Session::block_context(const std::string& name) {
   if (observer_) {
     c.backward_starts = &backward_starts_;
     c.second_backward_starts = &second_backward_starts_;
+    c.unpack_clock = &unpack_clock_;
   }
   auto hint = expected_ops_.find(name);
   c.expected_ops = hint == expected_ops_.end() ? 64 : hint->second + 8;
@@ -219,10 +221,14 @@ void Session::collect_block_stats() noexcept {
   last_records_.clear();
   last_preserved_.clear();
   try {
+    const int64_t final_unpacks = unpack_clock_.load(std::memory_order_relaxed);
     for (const auto& b : blocks_) {
       b->close_step();
       last_stats_.push_back(b->stats());
-      if (observer_) last_liveness_.push_back(b->liveness());
+      if (observer_) {
+        last_liveness_.push_back(b->liveness());
+        last_liveness_.back().held_through_backward = b->held_through_backward(final_unpacks);
+      }
       remember_order(*b);
       expected_ops_[b->name()] = static_cast<size_t>(last_stats_.back().ops_recorded);
       for (const auto& [kind, count] : b->replayed_by_kind()) last_replayed_[capture::op_kind_name(kind)] += count;

@@ -478,8 +478,9 @@ AutoPlanner::Prepared AutoPlanner::prepare() const {
     out.extras.held_for_replay.push_back(live ? live->held_for_replay_bytes : 0);
     out.extras.alive_retained.push_back(live ? planner::kept_bytes(p, with_values(p, c.kept, live->rebuilt_alive_at_second)) - kept : 0);
     out.extras.keep_all.push_back(planner::kept_bytes(p, planner::KeepMask(p.candidates.size(), 1)));
-    if (j < stats.size() && stats[j].name == c.name && stats[j].unpacks > stats[j].saved_tensors) {
-      out.extras.retained = true;
+    if ((j < stats.size() && stats[j].name == c.name && stats[j].unpacks > stats[j].saved_tensors) ||
+        (live != nullptr && live->held_through_backward)) {
+      out.extras.retained = true;  // Note [A graph held through its backward] (replay/src/block_call.cpp)
     }
     // A value served live was not replayed: the working set that ran is the one of the mask it was kept in.
     out.ws_ref.push_back(ran_working_set(j, p, out.orders.back(), served));

@@ -7,6 +7,7 @@
 // handles throws (kGeneric) instead of returning stale data.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -70,6 +71,8 @@ struct BlockContext {
   /// Likewise for the replay that starts a second backward over the graph: the Session calls
   /// note_second_backward() on every call.
   const std::function<void(BlockCall&)>* second_backward_starts = nullptr;
+  /// The step's count of unpacks so far, shared by its calls (Note [A graph held through its backward]; null: none).
+  std::atomic<int64_t>* unpack_clock = nullptr;
 };
 
 /// Thread-safe for pack/unpack after close_forward(); recording itself happens on the thread that runs the forward.
@@ -124,6 +127,9 @@ class BlockCall : public capture::RecorderListener,
   void note_second_backward_locked();
   /// The call's DroppedLiveness (values as of the last refresh_alive_dropped(), and alive at their first unpack so far).
   DroppedLiveness liveness() const;
+  /// Note [A graph held through its backward]: the call's served slots all outlived the step's last unpack, made
+  /// after this call's last one (`final_unpacks`: the step's unpack clock at its end).
+  bool held_through_backward(int64_t final_unpacks) const;
   /// The dropped values in the order this call's backward first unpacked them, followed by those it never unpacked
   /// (in the schedule's order), with when each was last unpacked; empty when no dropped value was unpacked.
   UnpackObservation observed_order() const;
@@ -147,6 +153,7 @@ class BlockCall : public capture::RecorderListener,
     c10::VariableVersion version{c10::VariableVersion::DISABLED};
     uint32_t saved_version = 0;
     bool released = false;
+    bool unpacked = false;  // served to the backward at least once
     int64_t last_round = -1;  // the unpack round in which this slot was last unpacked
     // The tensor autograd saved (weak), and whether autograd saves it as itself: then a storage replaced after the
     // forward (`.data = ...`, set_) is what the unpack serves (Note [Saved as itself], block_call_replay.cpp).
@@ -307,6 +314,10 @@ class BlockCall : public capture::RecorderListener,
   std::vector<std::pair<ValueId, c10::weak_intrusive_ptr<c10::StorageImpl>>> rebuilt_first_round_;
   std::vector<int32_t> rebuilt_alive_at_second_;
   int64_t second_backward_ns_ = -1;
+  // Note [A graph held through its backward]: the step's unpack clock after this call's last unpack (-1: none), and
+  // its value at the first release of a slot this call had served (INT64_MAX: none released).
+  int64_t last_unpack_at_ = -1;
+  int64_t first_served_release_at_ = INT64_MAX;
 };
 
 /// What pack hands to autograd for one saved tensor: unpack() serves it; destruction releases it (autograd

@@ -92,6 +92,9 @@ struct DroppedLiveness {
   std::vector<int32_t> rebuilt_alive_at_second;
   /// When (step memory clock, ns) the call's first replay of a second backward over the graph began (-1: none).
   int64_t second_backward_ns = -1;
+  /// Every saved tensor of the call outlived the step's later unpacks: the backward retained the graph (Note [A
+  /// graph held through its backward], block_call.cpp).
+  bool held_through_backward = false;
 };
 
 /// Calls f(const FieldInfo&, field&) for every field of `s` (a BlockStats, const or not) in list order, the approx

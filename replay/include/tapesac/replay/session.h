@@ -143,6 +143,7 @@ class Session {
   std::atomic<bool> backward_started_{false};
   std::function<void(BlockCall&)> second_backward_starts_;
   std::atomic<bool> second_backward_started_{false};
+  std::atomic<int64_t> unpack_clock_{0};  // Note [A graph held through its backward] (block_call.cpp)
   StepSummary last_summary_;
   std::unordered_map<std::string, int64_t> last_replayed_;
   // Ops recorded per block name in the previous step: the recorder pre-sizes its tables from it.

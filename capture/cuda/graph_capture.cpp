@@ -436,7 +436,27 @@ void GraphCapture::begin() {
   attach_trace_once();
   set_trace_sink(&impl_->freed, impl_->device);
   impl_->tracing = true;
-  impl_->graph->capture_begin(impl_->pool, cudaStreamCaptureModeThreadLocal);
+  try {
+    impl_->graph->capture_begin(impl_->pool, cudaStreamCaptureModeThreadLocal);
+  } catch (...) {
+    // CUDAGraph::capture_begin() registers the graph with the default generator and puts its state in capture mode
+    // before the checks that can throw (the default-stream check, a pool another capture routes to, a stream already
+    // capturing): left so, every later eager random op on the device threw (a reviewer's finding; not run on a
+    // GPU). The generator gets a fresh state as after a failed end (end_capture), the trace and the stream are put
+    // back. Left: whether the allocator's routing and the pool's use count were taken before the throw cannot be
+    // told from here, so they are not undone (another capture's routing may share the pool id).
+    try {
+      if (!default_generator_draws(impl_->device)) replace_default_generator_state(impl_->device);
+    } catch (...) {
+      // The recovery must not hide capture_begin()'s error.
+    }
+    try {
+      impl_->graph.reset();
+      impl_->restore_stream();
+    } catch (...) {
+    }
+    throw;
+  }
   impl_->capturing = true;
 }
 

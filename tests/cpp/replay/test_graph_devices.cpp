@@ -189,14 +189,21 @@ class OverheadDevice final : public capture::GraphDevice {
 };
 
 /// One replay of a two-op tape (x -> relu -> neg) on `cache`: the targets are the last value.
-/// `with_ops`: the payloads name each op's operator (a capture run that executes the ops needs them).
-GraphReplayOutcome replay_once(GraphCache& cache, TapeBuilder& b, uint64_t signature = 7, bool with_ops = false) {
+/// Payloads naming each op's operator (a capture run that executes the ops needs them); the tape's ops are unary
+/// (relu, neg): one argument, its tensor slot empty. `with_ops` false: empty payloads.
+std::vector<capture::OpPayload> unary_payloads(const TapeBuilder& b, bool with_ops = true) {
   std::vector<capture::OpPayload> payloads(b.tape.ops().size());
   for (size_t i = 0; with_ops && i < payloads.size(); ++i) {
     payloads[i].handle = c10::Dispatcher::singleton().findSchemaOrThrow(
         capture::op_kind_name(b.tape.ops()[i].kind).c_str(), "");
-    payloads[i].args.emplace_back();  // unary ops (relu, neg): the tensor slot is empty
+    payloads[i].args.emplace_back();
   }
+  return payloads;
+}
+
+/// `with_ops`: see unary_payloads.
+GraphReplayOutcome replay_once(GraphCache& cache, TapeBuilder& b, uint64_t signature = 7, bool with_ops = false) {
+  std::vector<capture::OpPayload> payloads = unary_payloads(b, with_ops);
   std::vector<at::Tensor> live(b.tape.values().size());
   live[0] = at::zeros({16});
   const std::vector<uint8_t> available = b.keep({});
@@ -321,9 +328,12 @@ TEST(GraphDevices, AValueWithoutStridesRefusesTheKey) {
   EXPECT_NE(host_tensor_read(b.tape, {1}, c10::DeviceType::CPU).find("without strides"), std::string::npos);
 }
 
-/// A graph without nodes: what a capture returns when the block's kernels ran on another stream.
+/// A graph with the nodes a test gives (none: what a capture returns when the block's kernels ran on another
+/// stream); its launch does nothing.
 class NoNodesExec final : public capture::ExecGraph {
  public:
+  NoNodesExec() = default;
+  explicit NoNodesExec(capture::GraphTopology topo) : topo_(std::move(topo)) {}
   const capture::GraphTopology& topology() const override { return topo_; }
   void set_enabled(NodeId, bool) override { throw std::invalid_argument("no nodes"); }
   bool enabled(NodeId) const override { return false; }
@@ -335,11 +345,13 @@ class NoNodesExec final : public capture::ExecGraph {
 
 class NoWorkDevice final : public capture::GraphDevice {
  public:
+  NoWorkDevice() = default;
+  explicit NoWorkDevice(capture::GraphTopology topo) : topo_(std::move(topo)) {}
   const char* name() const override { return "no_work"; }
   bool capture_executes() const override { return true; }
   void begin_capture() override {}
   void after_op(OpIndex, const torch::jit::Stack&, const std::vector<at::Tensor>&) override {}
-  std::unique_ptr<capture::ExecGraph> end_capture(std::string*) override { return std::make_unique<NoNodesExec>(); }
+  std::unique_ptr<capture::ExecGraph> end_capture(std::string*) override { return std::make_unique<NoNodesExec>(topo_); }
   void abort_capture() noexcept override {}
   std::string before_launch(capture::ExecGraph&, const std::vector<OpIndex>&, const std::vector<capture::OpPayload>&,
                             const std::vector<capture::OpPayload>&) override {
@@ -347,6 +359,9 @@ class NoWorkDevice final : public capture::GraphDevice {
   }
   void after_launch(capture::ExecGraph&) noexcept override {}
   void stage(const at::Tensor&, const at::Tensor&) override {}
+
+ private:
+  capture::GraphTopology topo_;
 };
 
 TEST(GraphDevices, ACaptureThatRecordedNoWorkIsRefused) {
@@ -358,6 +373,42 @@ TEST(GraphDevices, ACaptureThatRecordedNoWorkIsRefused) {
   EXPECT_FALSE(out.captured);
   EXPECT_EQ(out.reason, GraphFallback::kCaptureInvalidated);
   EXPECT_NE(out.detail.find("recorded no work"), std::string::npos) << out.detail << " / reason " << to_string(out.reason);
+}
+
+// Note [Nodes that run anyway] (graph_block.cpp), a reviewer's finding: op #0 owns a node that cannot be disabled
+// (a child graph), so it runs at every launch although a replay keeping its output does not need it; staging that
+// kept output would be overwritten by the launch. Such a replay is refused (it goes eager).
+TEST(GraphDevices, AValueStagedWhereANodeThatRunsAnywayWritesIsRefused) {
+  TapeBuilder b;
+  const ValueId mid = b.op("aten::relu", {b.ext()});
+  b.op("aten::neg", {mid});
+  capture::GraphTopology topo;
+  topo.kinds = {capture::NodeKind::kChildGraph, capture::NodeKind::kKernel};
+  topo.owner = {0, 1};
+  GraphCache cache(std::make_shared<NoWorkDevice>(topo), GraphOptions{});
+  GraphReplayOutcome out = replay_once(cache, b, 7, /*with_ops=*/true);
+  for (int i = 0; i < 8 && out.warmup; ++i) out = replay_once(cache, b, 7, /*with_ops=*/true);
+  ASSERT_TRUE(out.captured) << out.detail;
+  // Now a call that keeps relu's output: the plan needs neg alone and stages relu's output.
+  std::vector<capture::OpPayload> payloads = unary_payloads(b);
+  std::vector<at::Tensor> live(b.tape.values().size());
+  live[static_cast<size_t>(mid)] = at::ones({16});
+  const std::vector<uint8_t> available = b.keep({mid});
+  GraphCall call;
+  call.tape = &b.tape;
+  call.payloads = &payloads;
+  call.live = &live;
+  call.available = &available;
+  call.signature = 7;
+  PruneResult plan;
+  plan.ops = {1};
+  GraphReplayOutcome kept;
+  for (int i = 0; i < 8 && (i == 0 || kept.warmup || kept.captured); ++i) {  // this availability's key: warm up
+    kept = GraphReplayOutcome{};
+    cache.replay(call, {b.now(b.tape.op(1).outputs[0])}, plan, &kept);
+  }
+  EXPECT_EQ(kept.reason, GraphFallback::kStagingConflict) << kept.detail << " launched " << kept.launched << " warmup " << kept.warmup << " staged " << kept.staged_bytes << " ops " << kept.ops;
+  EXPECT_NE(kept.detail.find("reads v" + std::to_string(mid) + " as kept"), std::string::npos) << kept.detail;
 }
 
 }  // namespace

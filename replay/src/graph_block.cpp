@@ -496,14 +496,17 @@ struct GraphCache::Entry {
       needed[static_cast<size_t>(i)] = 1;
       for (capture::StorageId s : tape.op(i).writes) written[static_cast<size_t>(s)] = 1;
     }
-    // Note [Nodes that run anyway]: a node that cannot be disabled (a child graph, an event or batch-memory-op node)
-    // runs at every launch although its op is not needed (prune_graph forces it on): what its op writes is written
-    // by the launch too. A value staged there would be overwritten from stale inputs (a reviewer's finding).
+    // Note [Nodes that run anyway]: a node that cannot be disabled and may write memory (a child graph; kOther: a
+    // batch-memory-op node, anything unknown) runs at every launch although its op is not needed (prune_graph
+    // forces it on): what its op writes is written by the launch too. A value staged there would be overwritten from
+    // stale inputs (a reviewer's finding). Event and semaphore nodes write no memory; host, allocation and
+    // conditional nodes are refused at capture.
     const capture::GraphTopology& topo = exec->topology();
     for (size_t n = 0; n < topo.node_count(); ++n) {
       const OpIndex owner = topo.owner[n];
+      const capture::NodeKind kind = topo.kinds[n];
       if (owner < 0 || static_cast<size_t>(owner) >= needed.size() || needed[static_cast<size_t>(owner)] ||
-          capture::can_disable(topo.kinds[n]) || topo.kinds[n] == capture::NodeKind::kEmpty) {
+          (kind != capture::NodeKind::kChildGraph && kind != capture::NodeKind::kOther)) {
         continue;
       }
       for (capture::StorageId s : tape.op(owner).writes) written[static_cast<size_t>(s)] = 1;

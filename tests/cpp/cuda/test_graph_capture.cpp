@@ -192,6 +192,34 @@ TEST(CudaGraphCapture, ReportsWhatTheAllocatorFreedDuringTheCapture) {
   EXPECT_TRUE(found) << cap.freed().size() << " ranges reported";
 }
 
+// A reviewer's finding (2026-12-07, not yet run on a GPU): CUDAGraph::capture_begin() puts the default generator in
+// capture mode before checks that can throw (here: a pool this thread already routes allocations to); the
+// generator was left so and every later eager random op threw. GraphCapture::begin() now gives it a fresh state.
+TEST(CudaGraphCapture, ACaptureThatFailsToBeginLeavesTheGeneratorDrawing) {
+  TAPESAC_NEED_DEVICE();
+  const auto pool = at::cuda::graph_pool_handle();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  auto s = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(0, pool, [&](cudaStream_t st) { return st == s.stream(); });
+  bool threw = false;
+  {
+    tc::GraphCapture bad(tc::GraphCaptureOptions{pool.first, pool.second, false});
+    try {
+      bad.begin();
+    } catch (const std::exception&) {
+      threw = true;
+    }
+    if (!threw) (void)bad.end();
+  }
+  c10::cuda::CUDACachingAllocator::endAllocateToPool(0, pool);
+  (void)cudaGetLastError();
+  if (!threw) GTEST_SKIP() << "this torch's capture_begin accepts a pool another routing uses: nothing to recover";
+  auto r = torch::rand({4}, opts);
+  auto d = torch::dropout(torch::ones({1024}, opts), 0.5, /*train=*/true);
+  EXPECT_EQ(r.numel(), 4);
+  EXPECT_GT(d.sum().item<float>(), 0.0f);
+}
+
 // Issue 17 item 2: a capture that fails (a host synchronisation under capture) leaves no allocator routing behind
 // (a later capture into the same shared pool begins) and the default generator still draws eagerly.
 TEST(CudaGraphCapture, AFailedCaptureLeavesThePoolAndTheGeneratorUsable) {

@@ -252,11 +252,18 @@ int64_t AutoPlanner::keep_all_ceiling(const Prepared& prep, int64_t measured_pea
   const replay::StepMemoryStats& m = session_.last_memory();
   const std::unordered_map<std::string, CallSpans> spans = spans_by_call(m);
   std::vector<int64_t> fwd_end, release, dropped;
+  const auto& liveness = session_.last_liveness();
+  // One graph: held by every call when one call shows it (the call whose backward came last cannot show it).
+  const bool held_to_end = std::any_of(liveness.begin(), liveness.end(),
+                                       [](const replay::DroppedLiveness& l) { return l.held_through_backward; });
   for (size_t j = 0; j < calls_.size(); ++j) {
     const auto c = spans.find(calls_[j].key);
     if (c == spans.end() || c->second.forwards == 0 || j >= prep.extras.keep_all.size()) return INT64_MAX;
     fwd_end.push_back(c->second.forward_end);
-    release.push_back(c->second.last_replay);
+    // A graph held through its last backward (Note [A graph held through its backward], replay/src/block_call.cpp)
+    // holds what a plan keeping everything would keep until the step's end: never released. (A graph retained for a
+    // second backward frees them along that one, from each call's last replay, as a plain step does.)
+    release.push_back(held_to_end ? -1 : c->second.last_replay);
     dropped.push_back(std::max<int64_t>(0, prep.extras.keep_all[j] - prep.kept_ref[j]));
   }
   const std::vector<planner::TimedBytes> timeline = timed_bytes(m);

@@ -188,14 +188,10 @@ class Conflicts:
         self._step_handles: list[Any] = []
         self._watched = False  # the watch warned: its hooks go at the next step (not from inside the backward)
         self._handles: list[Any] = []
-        self._unwatched: list[tuple[str, nn.Module]] = []  # no initialised trainable parameter yet (lazy modules)
+        # Blocks not watched yet: every block here, then those without an initialised trainable parameter (lazy).
+        self._unwatched: list[tuple[str, nn.Module]] = list(self._blocks)
         try:
-            for name, m in self._blocks:
-                h = _watch(self, name, m)
-                if h is not None:
-                    self._handles.append(h)
-                elif any(nn.parameter.is_lazy(p) for p in m.parameters()):
-                    self._unwatched.append((name, m))
+            self._watch_initialised()
         except BaseException:
             remove_handles(self._handles)  # nothing left behind by a constructor that fails
             raise
@@ -316,7 +312,7 @@ class Conflicts:
                 f"blocks instead), or custom kernels (Triton, CUDA extensions) make the blocks' activations."))
 
     def _watch_initialised(self) -> None:
-        """Watches the lazy blocks whose parameters the step initialised."""
+        """Watches the blocks of _unwatched that have a trainable parameter now; keeps those still lazy."""
         still = []
         for name, m in self._unwatched:
             h = _watch(self, name, m)
